@@ -1,0 +1,294 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include "core/config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "core/log.h"
+
+enum cfg_type { CFG_BOOL, CFG_INT, CFG_DOUBLE, CFG_SIZE, CFG_STR, CFG_ENUM };
+
+typedef struct cfg_entry {
+    enum cfg_type type;
+    const char *name;
+    const char *def;
+    const char *choices;
+    const char *help;
+    size_t off;     /* offsetof value */
+    size_t set_off; /* offsetof field##_set */
+} cfg_entry_t;
+
+static const cfg_entry_t cfg_table[] = {
+#define MFSDP_CFG_ENTRY(type, NAME, field, def, choices, help)                                \
+    {CFG_##type, #NAME, def, choices, help, offsetof(mfsdp_config_t, field),                  \
+     offsetof(mfsdp_config_t, field##_set)},
+    MFSDP_CONFIG_TABLE(MFSDP_CFG_ENTRY)
+#undef MFSDP_CFG_ENTRY
+};
+#define NCFG (sizeof(cfg_table) / sizeof(cfg_table[0]))
+
+static const char *type_name(enum cfg_type t)
+{
+    switch (t) {
+    case CFG_BOOL: return "bool";
+    case CFG_INT: return "int";
+    case CFG_DOUBLE: return "float";
+    case CFG_SIZE: return "size";
+    case CFG_STR: return "string";
+    case CFG_ENUM: return "enum";
+    }
+    return "?";
+}
+
+mfsdp_status_t mfsdp_parse_size(const char *s, size_t *out_p)
+{
+    if (s == NULL || out_p == NULL) {
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    while (isspace((unsigned char)*s)) {
+        s++;
+    }
+    if (!isdigit((unsigned char)*s)) {
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    errno = 0;
+    char *end = NULL;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno != 0) {
+        return MFSDP_ERR_OVERFLOW;
+    }
+    unsigned shift = 0;
+    switch (toupper((unsigned char)*end)) {
+    case '\0': break;
+    case 'K': shift = 10; end++; break;
+    case 'M': shift = 20; end++; break;
+    case 'G': shift = 30; end++; break;
+    case 'T': shift = 40; end++; break;
+    default: return MFSDP_ERR_INVALID_ARG;
+    }
+    if (shift != 0 && (*end == 'B' || *end == 'b')) {
+        end++; /* accept "4GB" */
+    }
+    if (*end != '\0') {
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    if (shift != 0 && v > (SIZE_MAX >> shift)) {
+        return MFSDP_ERR_OVERFLOW;
+    }
+    *out_p = (size_t)(v << shift);
+    return MFSDP_OK;
+}
+
+static int parse_bool(const char *s, int *out)
+{
+    static const char *yes[] = {"1", "true", "yes", "on"};
+    static const char *no[] = {"0", "false", "no", "off"};
+    for (size_t i = 0; i < 4; i++) {
+        if (strcasecmp(s, yes[i]) == 0) {
+            *out = 1;
+            return 0;
+        }
+        if (strcasecmp(s, no[i]) == 0) {
+            *out = 0;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* Index of s in a '|' separated list, case-insensitive; -1 if absent. */
+static int enum_index(const char *choices, const char *s)
+{
+    int idx = 0;
+    size_t len = strlen(s);
+    for (const char *p = choices; *p != '\0'; idx++) {
+        const char *bar = strchr(p, '|');
+        size_t n = bar ? (size_t)(bar - p) : strlen(p);
+        if (n == len && strncasecmp(p, s, n) == 0) {
+            return idx;
+        }
+        if (bar == NULL) {
+            break;
+        }
+        p = bar + 1;
+    }
+    return -1;
+}
+
+/* Bounds "min:max" for INT/DOUBLE; either side may be empty. */
+static int in_bounds(const char *bounds, double v)
+{
+    if (bounds == NULL || *bounds == '\0') {
+        return 1;
+    }
+    const char *colon = strchr(bounds, ':');
+    if (colon == NULL) {
+        return 1;
+    }
+    if (colon != bounds && v < strtod(bounds, NULL)) {
+        return 0;
+    }
+    if (colon[1] != '\0' && v > strtod(colon + 1, NULL)) {
+        return 0;
+    }
+    return 1;
+}
+
+static mfsdp_status_t parse_one(const cfg_entry_t *e, const char *val, mfsdp_config_t *cfg,
+                                char *err, size_t errlen)
+{
+    char *base = (char *)cfg;
+    char *end = NULL;
+    switch (e->type) {
+    case CFG_BOOL: {
+        int b;
+        if (parse_bool(val, &b) != 0) {
+            snprintf(err, errlen, "%s=%s: expected a boolean (0|1|true|false|yes|no|on|off)",
+                     e->name, val);
+            return MFSDP_ERR_CONFIG;
+        }
+        *(int *)(base + e->off) = b;
+        break;
+    }
+    case CFG_INT: {
+        errno = 0;
+        long v = strtol(val, &end, 10);
+        if (errno != 0 || end == val || *end != '\0' || !in_bounds(e->choices, (double)v)) {
+            snprintf(err, errlen, "%s=%s: expected an integer in [%s]", e->name, val,
+                     e->choices);
+            return MFSDP_ERR_CONFIG;
+        }
+        *(long *)(base + e->off) = v;
+        break;
+    }
+    case CFG_DOUBLE: {
+        errno = 0;
+        double v = strtod(val, &end);
+        if (errno != 0 || end == val || *end != '\0' || !isfinite(v) ||
+            !in_bounds(e->choices, v)) {
+            snprintf(err, errlen, "%s=%s: expected a finite number in [%s]", e->name, val,
+                     e->choices);
+            return MFSDP_ERR_CONFIG;
+        }
+        *(double *)(base + e->off) = v;
+        break;
+    }
+    case CFG_SIZE: {
+        size_t v;
+        if (mfsdp_parse_size(val, &v) != MFSDP_OK) {
+            snprintf(err, errlen,
+                     "%s=%s: expected a byte count with an optional K, M, G or T suffix",
+                     e->name, val);
+            return MFSDP_ERR_CONFIG;
+        }
+        *(size_t *)(base + e->off) = v;
+        break;
+    }
+    case CFG_STR:
+        *(const char **)(base + e->off) = val;
+        break;
+    case CFG_ENUM: {
+        int idx = enum_index(e->choices, val);
+        if (idx < 0) {
+            snprintf(err, errlen, "%s=%s: expected one of %s", e->name, val, e->choices);
+            return MFSDP_ERR_CONFIG;
+        }
+        *(int *)(base + e->off) = idx;
+        break;
+    }
+    }
+    return MFSDP_OK;
+}
+
+mfsdp_status_t mfsdp_config_parse(mfsdp_getenv_fn lookup, void *arg, mfsdp_config_t *cfg,
+                                   char *err, size_t errlen)
+{
+    char dummy[8];
+    if (err == NULL || errlen == 0) {
+        err = dummy;
+        errlen = sizeof(dummy);
+    }
+    err[0] = '\0';
+    if (lookup == NULL || cfg == NULL) {
+        snprintf(err, errlen, "invalid argument");
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    mfsdp_config_t tmp;
+    memset(&tmp, 0, sizeof(tmp));
+    for (size_t i = 0; i < NCFG; i++) {
+        const cfg_entry_t *e = &cfg_table[i];
+        if (e->def[0] != '\0') {
+            mfsdp_status_t st = parse_one(e, e->def, &tmp, err, errlen);
+            if (st != MFSDP_OK) {
+                return MFSDP_ERR_INTERNAL; /* a bad default in the table */
+            }
+        }
+        const char *val = lookup(e->name, arg);
+        if (val != NULL && *val != '\0') {
+            mfsdp_status_t st = parse_one(e, val, &tmp, err, errlen);
+            if (st != MFSDP_OK) {
+                return st;
+            }
+            *(int *)((char *)&tmp + e->set_off) = 1;
+        }
+    }
+    *cfg = tmp;
+    return MFSDP_OK;
+}
+
+static const char *env_lookup(const char *name, void *arg)
+{
+    (void)arg;
+    return getenv(name);
+}
+
+static pthread_once_t cfg_once = PTHREAD_ONCE_INIT;
+static mfsdp_config_t cfg_global;
+static mfsdp_status_t cfg_status;
+
+static void cfg_init(void)
+{
+    char err[512];
+    cfg_status = mfsdp_config_parse(env_lookup, NULL, &cfg_global, err, sizeof(err));
+    if (cfg_status != MFSDP_OK) {
+        MFSDP_WARN("%s", err);
+    }
+}
+
+mfsdp_status_t mfsdp_config_get(const mfsdp_config_t **cfg_p)
+{
+    if (cfg_p == NULL) {
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    pthread_once(&cfg_once, cfg_init);
+    if (cfg_status != MFSDP_OK) {
+        return cfg_status;
+    }
+    *cfg_p = &cfg_global;
+    return MFSDP_OK;
+}
+
+void mfsdp_config_print(FILE *out)
+{
+    for (size_t i = 0; i < NCFG; i++) {
+        const cfg_entry_t *e = &cfg_table[i];
+        const char *cur = getenv(e->name);
+        fprintf(out, "%-26s %-6s default=%s", e->name, type_name(e->type),
+                e->def[0] ? e->def : "(unset)");
+        if (e->type == CFG_ENUM) {
+            fprintf(out, " values=%s", e->choices);
+        } else if ((e->type == CFG_INT || e->type == CFG_DOUBLE) && e->choices[0]) {
+            fprintf(out, " range=[%s]", e->choices);
+        }
+        if (cur != NULL && *cur != '\0') {
+            fprintf(out, " current=%s", cur);
+        }
+        fprintf(out, "\n    %s\n", e->help);
+    }
+}

@@ -1,0 +1,105 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Every MFSDP_* environment variable, declared once (X-macro table: type, name, field,
+ * default, accepted values, help), parsed once into mfsdp_config_t. `mfsdp-plan --env`
+ * and the README's variable list are generated from this table.
+ *
+ * Types: BOOL (0/1, true/false, yes/no, on/off), INT (decimal, with bounds), DOUBLE (with
+ * bounds), SIZE (bytes with an optional K/M/G/T suffix, powers of 1024), STR (free text),
+ * ENUM (one of a '|' separated list, case-insensitive; stored as the index in that list).
+ */
+#ifndef MFSDP_CORE_CONFIG_H
+#define MFSDP_CORE_CONFIG_H
+
+#include <stddef.h>
+#include <stdio.h>
+
+#include "mfsdp/status.h"
+
+/* X(type, NAME, field, default, choices-or-bounds, help)
+ * For INT/DOUBLE, "choices" is "min:max" (either side may be empty). For ENUM the list. */
+#define MFSDP_CONFIG_TABLE(X)                                                                 \
+    X(ENUM, MFSDP_DEBUG, debug, "WARN", "NONE|WARN|INFO|TRACE",                               \
+      "log level (NCCL_DEBUG semantics)")                                                     \
+    X(STR, MFSDP_DEBUG_SUBSYS, debug_subsys, "ALL", "",                                       \
+      "comma list of subsystems to log at INFO/TRACE; a leading ^ negates")                   \
+    X(STR, MFSDP_DEBUG_FILE, debug_file, "", "",                                              \
+      "write logs to this file instead of stderr (%h host, %p pid)")                          \
+    X(STR, MFSDP_MANIFEST, manifest, "", "", "manifest (mfsdp-manifest/1 JSON) for the shim") \
+    X(STR, MFSDP_RECORD, record, "", "",                                                      \
+      "record one iteration's collective calls per comm to this path (pass-through mode)")    \
+    X(ENUM, MFSDP_STEP, step, "eager", "eager|lazy",                                          \
+      "run the owner step when a group's reduce lands (eager) or before the next "            \
+      "iteration's first all-gather (lazy; required with clipping)")                          \
+    X(INT, MFSDP_ACCUM_STEPS, accum_steps, "1", "1:1000000",                                  \
+      "micro-steps whose gradients are summed before one optimizer step")                     \
+    X(DOUBLE, MFSDP_CLIP, clip, "0", "0:", "global gradient-norm clipping threshold; 0 = off") \
+    X(ENUM, MFSDP_TAIL, tail, "auto", "owner|shard|auto",                                     \
+      "where AdamW tensors live: whole on an owner, FSDP's even slices, or auto")             \
+    X(SIZE, MFSDP_MEM_LIMIT, mem_limit, "0", "",                                              \
+      "owner-arena bytes allowed per rank (K/M/G/T suffixes); 0 = unlimited")                 \
+    X(ENUM, MFSDP_GATHER_ALGO, gather_algo, "auto", "auto|direct|chain|native",               \
+      "owner-broadcast algorithm for the all-gather")                                         \
+    X(ENUM, MFSDP_REDUCE_ALGO, reduce_algo, "auto", "auto|direct|chain|native",               \
+      "reduce-to-owner algorithm for the reduce-scatter")                                     \
+    X(SIZE, MFSDP_CHAIN_CHUNK, chain_chunk, "1M", "", "chunk bytes of the chain pipeline")    \
+    X(BOOL, MFSDP_SPREAD, spread, "1", "",                                                    \
+      "spread each group's matrices over ranks (avoid reduce incast on one owner)")           \
+    X(DOUBLE, MFSDP_LR, lr, "", "0:", "override the manifest's Muon learning rate")          \
+    X(DOUBLE, MFSDP_MOMENTUM, momentum, "", "0:1", "override the Muon momentum (beta)")       \
+    X(INT, MFSDP_NS_STEPS, ns_steps, "", "0:100", "override the Newton-Schulz iteration count")\
+    X(DOUBLE, MFSDP_WEIGHT_DECAY, weight_decay, "", "0:", "override the Muon weight decay")   \
+    X(BOOL, MFSDP_NESTEROV, nesterov, "", "", "override Nesterov momentum (0/1)")             \
+    X(ENUM, MFSDP_SCALE, scale, "", "keller|moonlight", "override the Muon scale rule")       \
+    X(DOUBLE, MFSDP_ADAMW_LR, adamw_lr, "", "0:", "override the AdamW learning rate")         \
+    X(DOUBLE, MFSDP_ADAMW_WEIGHT_DECAY, adamw_weight_decay, "", "0:",                         \
+      "override the AdamW weight decay")                                                      \
+    X(BOOL, MFSDP_MLOCK, mlock, "1", "",                                                      \
+      "page-lock CPU owner arenas (falls back with a warning when RLIMIT_MEMLOCK forbids)")   \
+    X(BOOL, MFSDP_NUMA_BIND, numa_bind, "1", "", "bind CPU owner arenas to the rank's NUMA node") \
+    X(INT, MFSDP_THREADS, threads, "1", "1:1024", "BLAS threads per rank for CPU kernels")
+
+#define MFSDP_CFG_CTYPE_BOOL int
+#define MFSDP_CFG_CTYPE_INT long
+#define MFSDP_CFG_CTYPE_DOUBLE double
+#define MFSDP_CFG_CTYPE_SIZE size_t
+#define MFSDP_CFG_CTYPE_STR const char *
+#define MFSDP_CFG_CTYPE_ENUM int
+
+typedef struct mfsdp_config {
+#define MFSDP_CFG_FIELD(type, NAME, field, def, choices, help)                                \
+    MFSDP_CFG_CTYPE_##type field;                                                             \
+    int field##_set; /* 1 when the value came from the environment */
+    MFSDP_CONFIG_TABLE(MFSDP_CFG_FIELD)
+#undef MFSDP_CFG_FIELD
+} mfsdp_config_t;
+
+/* ENUM indices, in the order of their choice lists. */
+enum { MFSDP_CFG_STEP_EAGER = 0, MFSDP_CFG_STEP_LAZY = 1 };
+enum { MFSDP_CFG_TAIL_OWNER = 0, MFSDP_CFG_TAIL_SHARD = 1, MFSDP_CFG_TAIL_AUTO = 2 };
+enum { MFSDP_CFG_ALGO_AUTO = 0, MFSDP_CFG_ALGO_DIRECT = 1, MFSDP_CFG_ALGO_CHAIN = 2,
+       MFSDP_CFG_ALGO_NATIVE = 3 };
+
+/* Environment lookup; getenv by default, replaceable in tests. */
+typedef const char *(*mfsdp_getenv_fn)(const char *name, void *arg);
+
+/*
+ * Parse every variable through lookup into *cfg. On a bad value returns MFSDP_ERR_CONFIG
+ * and writes "MFSDP_X=value: expected ..." to err. Variables with an empty default and no
+ * value are left unset (field##_set == 0, field zero).
+ */
+mfsdp_status_t mfsdp_config_parse(mfsdp_getenv_fn lookup, void *arg, mfsdp_config_t *cfg,
+                                   char *err, size_t errlen);
+
+/* The process-wide configuration, parsed from the environment once (thread-safe). On a
+ * bad value every call returns MFSDP_ERR_CONFIG (the error was logged once). */
+mfsdp_status_t mfsdp_config_get(const mfsdp_config_t **cfg_p);
+
+/* Print the table: name, type, default, accepted values, help (and the current value when
+ * set in the environment). */
+void mfsdp_config_print(FILE *out);
+
+/* Parse a size with optional K/M/G/T suffix. */
+mfsdp_status_t mfsdp_parse_size(const char *s, size_t *out_p);
+
+#endif /* MFSDP_CORE_CONFIG_H */

@@ -1,0 +1,174 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include "core/log.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static pthread_mutex_t log_lock = PTHREAD_MUTEX_INITIALIZER;
+static int log_ready;
+static mfsdp_log_level_t log_level = MFSDP_LOG_WARN;
+static unsigned log_mask = MFSDP_SUBSYS_ALL;
+static FILE *log_file;
+static char log_host[64];
+
+static const struct {
+    const char *name;
+    unsigned bit;
+} subsys_names[] = {
+#define MFSDP_SUBSYS_NAME(name, bit) {#name, 1u << (bit)},
+    MFSDP_SUBSYS_TABLE(MFSDP_SUBSYS_NAME)
+#undef MFSDP_SUBSYS_NAME
+};
+#define NSUBSYS (sizeof(subsys_names) / sizeof(subsys_names[0]))
+
+static unsigned parse_subsys(const char *s)
+{
+    if (s == NULL || *s == '\0') {
+        return MFSDP_SUBSYS_ALL;
+    }
+    int negate = (*s == '^');
+    if (negate) {
+        s++;
+    }
+    unsigned mask = 0;
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s", s);
+    char *save = NULL;
+    for (char *tok = strtok_r(buf, ",", &save); tok != NULL; tok = strtok_r(NULL, ",", &save)) {
+        if (strcasecmp(tok, "ALL") == 0) {
+            mask = MFSDP_SUBSYS_ALL;
+            continue;
+        }
+        for (size_t i = 0; i < NSUBSYS; i++) {
+            if (strcasecmp(tok, subsys_names[i].name) == 0) {
+                mask |= subsys_names[i].bit;
+            }
+        }
+    }
+    return negate ? ~mask : mask;
+}
+
+/* Expand %h (host) and %p (pid) as NCCL_DEBUG_FILE does. */
+static void expand_path(const char *in, char *out, size_t outlen)
+{
+    size_t o = 0;
+    for (const char *p = in; *p != '\0' && o + 1 < outlen; p++) {
+        if (p[0] == '%' && (p[1] == 'h' || p[1] == 'p')) {
+            int n = (p[1] == 'h') ? snprintf(out + o, outlen - o, "%s", log_host)
+                                  : snprintf(out + o, outlen - o, "%d", (int)getpid());
+            if (n < 0) {
+                break;
+            }
+            o += (size_t)n < outlen - o ? (size_t)n : outlen - o - 1;
+            p++;
+        } else {
+            out[o++] = *p;
+        }
+    }
+    out[o] = '\0';
+}
+
+static void log_init_locked(void)
+{
+    if (gethostname(log_host, sizeof(log_host)) != 0) {
+        snprintf(log_host, sizeof(log_host), "unknown");
+    }
+    log_host[sizeof(log_host) - 1] = '\0';
+    char *dot = strchr(log_host, '.');
+    if (dot != NULL) {
+        *dot = '\0';
+    }
+    const char *lvl = getenv("MFSDP_DEBUG");
+    log_level = MFSDP_LOG_WARN;
+    if (lvl != NULL) {
+        if (strcasecmp(lvl, "NONE") == 0 || strcasecmp(lvl, "VERSION") == 0) {
+            log_level = MFSDP_LOG_NONE;
+        } else if (strcasecmp(lvl, "INFO") == 0) {
+            log_level = MFSDP_LOG_INFO;
+        } else if (strcasecmp(lvl, "TRACE") == 0) {
+            log_level = MFSDP_LOG_TRACE;
+        }
+        /* WARN and invalid values keep WARN; the config table rejects invalid ones. */
+    }
+    log_mask = parse_subsys(getenv("MFSDP_DEBUG_SUBSYS"));
+    if (log_file != NULL && log_file != stderr) {
+        fclose(log_file);
+    }
+    log_file = stderr;
+    const char *path = getenv("MFSDP_DEBUG_FILE");
+    if (path != NULL && *path != '\0') {
+        char buf[4096];
+        expand_path(path, buf, sizeof(buf));
+        FILE *f = fopen(buf, "a");
+        if (f != NULL) {
+            setvbuf(f, NULL, _IOLBF, 0);
+            log_file = f;
+        } else {
+            fprintf(stderr, "%s:%d mfsdp WARN cannot open MFSDP_DEBUG_FILE %s: %s\n", log_host,
+                    (int)getpid(), buf, strerror(errno));
+        }
+    }
+    log_ready = 1;
+}
+
+void mfsdp_log_reinit(void)
+{
+    pthread_mutex_lock(&log_lock);
+    log_init_locked();
+    pthread_mutex_unlock(&log_lock);
+}
+
+int mfsdp_log_enabled(mfsdp_log_level_t level, unsigned subsys)
+{
+    if (!__atomic_load_n(&log_ready, __ATOMIC_ACQUIRE)) {
+        mfsdp_log_reinit();
+    }
+    return level <= log_level && (level == MFSDP_LOG_WARN || (subsys & log_mask) != 0);
+}
+
+static const char *subsys_name(unsigned subsys)
+{
+    for (size_t i = 0; i < NSUBSYS; i++) {
+        if (subsys == subsys_names[i].bit) {
+            return subsys_names[i].name;
+        }
+    }
+    return NULL;
+}
+
+void mfsdp_log(mfsdp_log_level_t level, unsigned subsys, const char *file, int line,
+               const char *fmt, ...)
+{
+    int saved_errno = errno; /* keep %m meaningful */
+    if (!mfsdp_log_enabled(level, subsys)) {
+        errno = saved_errno;
+        return;
+    }
+    char msg[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    errno = saved_errno;
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+
+    const char *lname = level == MFSDP_LOG_WARN ? "WARN" : level == MFSDP_LOG_INFO ? "INFO" : "TRACE";
+    const char *sname = subsys_name(subsys);
+    pthread_mutex_lock(&log_lock);
+    if (level == MFSDP_LOG_WARN) {
+        const char *base = strrchr(file, '/');
+        fprintf(log_file, "%s:%d:%ld mfsdp WARN %s:%d %s\n", log_host, (int)getpid(),
+                (long)syscall(SYS_gettid), base ? base + 1 : file, line, msg);
+    } else {
+        fprintf(log_file, "%s:%d:%ld mfsdp %s %s%s%s\n", log_host, (int)getpid(),
+                (long)syscall(SYS_gettid), lname, sname ? sname : "", sname ? " " : "", msg);
+    }
+    fflush(log_file);
+    pthread_mutex_unlock(&log_lock);
+    errno = saved_errno;
+}
