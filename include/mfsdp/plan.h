@@ -23,8 +23,8 @@ typedef struct mfsdp_shard {
     size_t group;           /**< group index in the manifest */
     size_t param;           /**< param index in its group */
     mfsdp_role_t role;      /**< MUON or ADAMW */
-    int64_t rows;           /**< 2-D view: shape[0] (1 for 1-D params) ... */
-    int64_t cols;           /**< ... and product of the remaining dims */
+    int64_t rows;           /**< 2-D view: shape[0] ... */
+    int64_t cols;           /**< ... and product of the remaining dims (1 for 1-D params) */
     int64_t numel;          /**< rows * cols */
     /* FSDP geometry of the all-gather layout (DESIGN.md section 3), in elements. */
     int64_t fsdp_c;         /**< rows per rank: ceil(shape[0] / n) (1-D: ceil(numel / n)) */
@@ -32,9 +32,15 @@ typedef struct mfsdp_shard {
     int64_t fsdp_o;         /**< offset in the per-rank block, in elements of the param dtype */
     size_t fsdp_o_bytes;    /**< same offset in bytes (the uint8 view of mixed-dtype groups) */
     int owner;              /**< owner rank, or MFSDP_OWNER_SHARDED */
-    /** Element offset of this tensor inside each arena category of its owner; for a sharded
-     *  tail tensor, the offset of every rank's slice in that rank's tail region. */
+    /** Element offset of this tensor inside its owner's MASTER, COMM and GRAD regions (every
+     *  owned tensor, ascending shard index); for a sharded tail tensor, the offset of every
+     *  rank's slice in that rank's tail region, which follows the owned tensors in each
+     *  category (arena_elems[cat] - tail_elems). */
     size_t arena_offset;
+    /** Element offset in the optimizer-state regions: MOMENTUM for Muon, ADAM_M and ADAM_V
+     *  for AdamW (tensors of that role only, ascending shard index; sharded tail slices after
+     *  them, at the same tail offset as arena_offset). */
+    size_t state_offset;
     double ns_flops;        /**< Newton-Schulz FLOPs per step (0 for AdamW) */
     size_t arena_bytes;     /**< owner-arena bytes this tensor costs its owner (whole tensor) */
 } mfsdp_shard_t;
