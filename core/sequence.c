@@ -366,29 +366,31 @@ mfsdp_status_t mfsdp_record_join(const mfsdp_manifest_t *m, int world,
         st = MFSDP_ERR_NO_MEMORY;
         goto out;
     }
-    /* Per signature class (keyed by its first group), cursors: forward all-gathers ascend;
-     * backward all-gathers and reduce-scatters descend. A class may show fewer backward
-     * all-gathers than groups (FSDP2 does not re-gather groups with
-     * reshard_after_forward=False, conventionally the last ones run): those are taken to be
-     * the highest-index groups, so backward all-gathers descend from the B-th group. */
+    /* Per signature class (keyed by its first group): every group is all-gathered exactly
+     * once in the forward pass, in manifest order, so the first k all-gathers of a class of
+     * k groups ascend through it; later ones are the backward pass, which descends, as do
+     * the reduce-scatters. A class may show fewer backward all-gathers (B) than groups: FSDP2
+     * does not re-gather groups with reshard_after_forward=False, conventionally the last
+     * ones run, so backward all-gathers are taken to descend from the B-th group. */
     size_t *bwd_total = calloc(m->ngroups + 1, sizeof(size_t));
     if (bwd_total == NULL) {
         st = MFSDP_ERR_NO_MEMORY;
         goto out;
     }
-    int backward = 0;
     for (size_t i = 0; i < rc->ncalls; i++) {
         const mfsdp_call_sig_t *s = &rc->calls[i].sig;
         size_t first = 0;
-        if (count_matches(mt, s, &first) == 0) {
+        size_t k = count_matches(mt, s, &first);
+        if (k == 0 || s->kind != MFSDP_CALL_ALLGATHER) {
             continue;
         }
-        backward |= (s->kind == MFSDP_CALL_REDUCE_SCATTER);
-        if (backward && s->kind == MFSDP_CALL_ALLGATHER) {
+        if (fwd[first] < k) {
+            fwd[first]++;
+        } else {
             bwd_total[first]++;
         }
     }
-    backward = 0;
+    memset(fwd, 0, (m->ngroups + 1) * sizeof(size_t));
     size_t n = 0;
     for (size_t i = 0; i < rc->ncalls; i++) {
         const mfsdp_call_sig_t *s = &rc->calls[i].sig;
@@ -397,10 +399,8 @@ mfsdp_status_t mfsdp_record_join(const mfsdp_manifest_t *m, int world,
         if (k == 0) {
             continue;
         }
-        if (s->kind == MFSDP_CALL_REDUCE_SCATTER) {
-            backward = 1;
-        }
         int is_rs = s->kind == MFSDP_CALL_REDUCE_SCATTER;
+        int backward = is_rs || fwd[first] >= k;
         size_t *cursor = is_rs ? &bwd_rs[first] : backward ? &bwd_ag[first] : &fwd[first];
         size_t avail = (!is_rs && backward) ? bwd_total[first] : k;
         if (*cursor >= k || avail > k) {
@@ -414,7 +414,7 @@ mfsdp_status_t mfsdp_record_join(const mfsdp_manifest_t *m, int world,
             free(bwd_total);
             goto out;
         }
-        size_t want = (!is_rs && !backward) ? *cursor : avail - 1 - *cursor;
+        size_t want = backward ? avail - 1 - *cursor : *cursor;
         size_t seen = 0, group = first;
         for (size_t g = 0; g < m->ngroups; g++) {
             if (sig_eq(sig_of(mt, g, s->kind), s) && seen++ == want) {

@@ -79,11 +79,11 @@ void mfsdp_record_free(mfsdp_record_t *rec);
 /*
  * Join a record with a manifest into a call sequence (manifest->sequence form). Uses the
  * first comm of size world whose calls match the manifest's signatures. Calls whose
- * signature is unique map to their group. Calls of a signature shared by several groups
- * follow FSDP2's order: all-gathers before the iteration's first reduce-scatter are the
- * forward pass (groups of that signature in manifest order); later all-gathers and all
- * reduce-scatters are the backward pass (reverse manifest order). Calls matching no group
- * are left out (they stay pass-through).
+ * signature is unique map to their group. Calls of a signature shared by k groups follow
+ * FSDP2's order: the first k all-gathers are the forward pass (those groups in manifest
+ * order); later all-gathers and all reduce-scatters are the backward pass (reverse manifest
+ * order; with B < k backward all-gathers, the B lowest groups are taken to be re-gathered).
+ * Calls matching no group are left out (they stay pass-through).
  */
 mfsdp_status_t mfsdp_record_join(const mfsdp_manifest_t *m, int world,
                                  const mfsdp_record_t *rec, char *err, size_t errlen,

@@ -167,8 +167,8 @@ static mfsdp_record_t *make_record(const mfsdp_call_sig_t *calls, size_t n, int 
 Test(sequence, record_roundtrip_and_join)
 {
     build(3);
-    /* b2 is not re-gathered in backward (reshard_after_forward=False); a foreign all-reduce
-     * sized call (count 3) sits in the middle. */
+    /* b2 is not re-gathered in backward (reshard_after_forward=False); a foreign call
+     * (count 3) sits in the middle. */
     mfsdp_call_sig_t calls[] = {ag(22), ag(15), ag(15), ag(3), ag(15), rs(15), ag(15),
                                 rs(15), ag(15), rs(15), rs(22)};
     size_t n = sizeof(calls) / sizeof(calls[0]);
@@ -221,11 +221,38 @@ Test(sequence, record_roundtrip_and_join)
     mfsdp_record_free(rec);
 }
 
+/* FSDP2 with backward prefetch: the last block is re-gathered, and block l-1 is prefetched
+ * before the reduce-scatter of block l, so backward all-gathers precede the first
+ * reduce-scatter. */
+Test(sequence, join_backward_prefetch_order)
+{
+    build(3);
+    mfsdp_call_sig_t calls[] = {ag(22), ag(15), ag(15), ag(15), ag(15), ag(15), rs(15),
+                                ag(15), rs(15), rs(15), rs(22)};
+    size_t n = sizeof(calls) / sizeof(calls[0]);
+    mfsdp_record_t *rec = make_record(calls, n, 2);
+    mfsdp_call_t *seq = NULL;
+    size_t nseq = 0;
+    char err[512] = "";
+    cr_assert_eq(mfsdp_record_join(&M, 2, rec, err, sizeof(err), &seq, &nseq), MFSDP_OK, "%s",
+                 err);
+    size_t want_group[] = {0, 1, 2, 3, 3, 2, 3, 1, 2, 1, 0};
+    cr_assert_eq(nseq, n);
+    for (size_t i = 0; i < n; i++) {
+        cr_expect_eq(seq[i].group, want_group[i], "entry %zu: group %zu want %zu", i,
+                     seq[i].group, want_group[i]);
+        cr_expect_eq(seq[i].kind, calls[i].kind);
+    }
+    free(seq);
+    mfsdp_record_free(rec);
+}
+
 Test(sequence, join_rejects_too_many_calls_and_wrong_world)
 {
     build(3);
-    mfsdp_call_sig_t calls[] = {ag(15), ag(15), ag(15), ag(15)};
-    mfsdp_record_t *rec = make_record(calls, 4, 2);
+    /* three forward all-gathers, then four backward ones for three groups */
+    mfsdp_call_sig_t calls[] = {ag(15), ag(15), ag(15), ag(15), ag(15), ag(15), ag(15)};
+    mfsdp_record_t *rec = make_record(calls, 7, 2);
     mfsdp_call_t *seq = NULL;
     size_t nseq = 0;
     char err[512] = "";
