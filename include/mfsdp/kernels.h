@@ -9,8 +9,11 @@
  * stream; declared in mfsdp/kernels_cuda.h). Matrices are row-major. No function allocates
  * in the hot path: Newton-Schulz and Muon take a caller-supplied workspace whose size is
  * given by mfsdp_ns_workspace_elems(). Every function validates its arguments and returns
- * MFSDP_ERR_INVALID_ARG (null pointers, zero/negative dims), MFSDP_ERR_OVERFLOW (sizes that
- * overflow size_t) or MFSDP_ERR_MISMATCH (a workspace that is too small) instead of crashing.
+ * MFSDP_ERR_INVALID_ARG (null pointers, zero/negative dims or counts, bad enums, overlapping
+ * buffers), MFSDP_ERR_OVERFLOW (sizes that overflow size_t, or a matrix dimension above
+ * INT_MAX, the BLAS index limit) or MFSDP_ERR_MISMATCH (a workspace that is too small)
+ * instead of crashing; on error no output is written. Element counts of 0 are invalid
+ * (callers skip empty slices).
  */
 #ifndef MFSDP_KERNELS_H
 #define MFSDP_KERNELS_H
@@ -48,8 +51,13 @@ typedef struct mfsdp_adamw_hp {
 } mfsdp_adamw_hp_t;
 
 /**
- * @brief Workspace (in floats) that Newton-Schulz / Muon need for an m x k matrix, or for
+ * @brief Workspace (in floats) that Newton-Schulz needs for an m x k matrix, or for
  *        the largest row block when the matrix is split. 0 on overflow or bad dims.
+ *
+ * With s = min(m, k) it is 2 s^2 + m k: the Gram matrix A = X X^T (s x s), the polynomial
+ * B = b A + c A A (s x s) and a second m x k buffer for X (steps ping-pong between it and
+ * the caller's matrix, ending in the caller's matrix). It grows with m and k, so the value
+ * for the whole matrix also covers any split of it.
  */
 MFSDP_API size_t mfsdp_ns_workspace_elems(int64_t m, int64_t k);
 
@@ -63,7 +71,15 @@ MFSDP_API size_t mfsdp_ns_workspace_elems(int64_t m, int64_t k);
 MFSDP_API mfsdp_status_t mfsdp_cpu_newton_schulz(float *x, int64_t m, int64_t k, int steps,
                                                  float *ws, size_t ws_elems);
 
-/** @brief mfsdp_cpu_newton_schulz() on @p batch contiguous same-shape matrices. */
+/**
+ * @brief Which BLAS routines the CPU Newton-Schulz calls and which GEMM library is compiled
+ *        in (for the perf harness and logs).
+ * @return a static string, never NULL
+ */
+MFSDP_API const char *mfsdp_cpu_ns_routines(void);
+
+/** @brief mfsdp_cpu_newton_schulz() on @p batch contiguous same-shape matrices (the
+ *         workspace is reused: mfsdp_ns_workspace_elems(m, k) floats suffice). */
 MFSDP_API mfsdp_status_t mfsdp_cpu_newton_schulz_batched(float *x, size_t batch, int64_t m,
                                                          int64_t k, int steps, float *ws,
                                                          size_t ws_elems);
@@ -82,6 +98,10 @@ MFSDP_API mfsdp_status_t mfsdp_cpu_newton_schulz_split(float *x, int64_t m, int6
  *        M = beta M + (1-beta) G; U = nesterov ? (1-beta) G + beta M : M;
  *        U = NS(U) (per row block if split) * scale; W = W (1 - lr wd) - lr U;
  *        then w_comm = cast(W) when @p w_comm is not NULL.
+ *        With a split, each row block is a matrix of its own: orthogonalized alone and
+ *        scaled by mfsdp_muon_scale(block rows, k) (as if Q, K, V were separate params).
+ *        Workspace: U (m k floats) followed by the Newton-Schulz workspace of the largest
+ *        block; mfsdp_muon_workspace_elems(m, k) always suffices.
  * @param [in,out] w        fp32 master, m*k
  * @param [in,out] mom      fp32 momentum, m*k
  * @param [in]     g        fp32 reduced gradient, m*k
@@ -97,7 +117,7 @@ MFSDP_API mfsdp_status_t mfsdp_cpu_muon_update(float *w, float *mom, const float
 /** @brief Workspace (floats) of mfsdp_cpu_muon_update() for an m x k matrix. */
 MFSDP_API size_t mfsdp_muon_workspace_elems(int64_t m, int64_t k);
 
-/** @brief The Muon scale factor of an m x k matrix under @p scale. */
+/** @brief The Muon scale factor of an m x k matrix under @p scale (0 for bad arguments). */
 MFSDP_API float mfsdp_muon_scale(int64_t m, int64_t k, mfsdp_scale_t scale);
 
 /**
@@ -116,7 +136,8 @@ MFSDP_API mfsdp_status_t mfsdp_cpu_adamw_update(float *w, float *m, float *v, co
  *        s = s + x_r[i] (each times scalar for PREMULSUM), all in fp32; AVG divides the
  *        sum by @p nsrc (so @p nsrc must be the world size); then
  *        out[i] = accumulate ? out[i] + s : s.
- *        Bitwise reproducible: the order never depends on timing.
+ *        Bitwise reproducible: the order never depends on timing. @p out may be one of
+ *        the fp32 sources exactly (in place); partial overlaps are not allowed.
  * @param [in,out] out     fp32 destination (gradient accumulator), n floats
  * @param [in]     src     nsrc pointers to n elements of @p src_dtype each, in rank order
  * @param [in]     scalar  PREMULSUM factor (ignored otherwise)
@@ -169,8 +190,10 @@ MFSDP_API mfsdp_status_t mfsdp_cpu_unpack(void *fsdp_buf, const void *full,
                                           const mfsdp_strided_geom_t *geom);
 
 /**
- * @brief Sum of squares of @p n floats, accumulated in double in index order
- *        (bitwise reproducible), added to *acc_p (for global-norm clipping).
+ * @brief Sum of squares of @p n floats in double, added to *acc_p (for global-norm
+ *        clipping). The association is fixed, so the result is bitwise reproducible:
+ *        8 partial sums, lane j takes the elements i = j mod 8 in index order, and the
+ *        lanes are added in order 0..7.
  */
 MFSDP_API mfsdp_status_t mfsdp_cpu_sqnorm_accumulate(const float *x, size_t n, double *acc_p);
 
