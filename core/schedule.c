@@ -1,0 +1,360 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include "core/schedule.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/checks.h"
+
+/* Tags: 2 * MFSDP_SCHED_WINDOW per segment: (main flow, final hop of the reduce chain) x
+ * ring slot. MPI guarantees at least 32767. Messages match receives in posting order per
+ * (source, tag); receives into different ring slots are posted in whatever order their
+ * slots are released, so each slot has its own tag, and distinct tags per segment keep
+ * forwarded chunks of different segments apart. Within one (segment, slot) tag, sends and
+ * receives are ordered by their dependencies. */
+#define SCHED_TAG_LIMIT 32767
+#define SCHED_TAGS_PER_SEG (2 * MFSDP_SCHED_WINDOW)
+
+void mfsdp_group_sched_destroy(mfsdp_group_sched_t *gs)
+{
+    if (gs == NULL) {
+        return;
+    }
+    mfsdp_group_layout_destroy(gs->layout);
+    free(gs->segs);
+    free(gs->tail);
+    free(gs);
+}
+
+mfsdp_status_t mfsdp_group_sched_create(const mfsdp_plan_t *plan, size_t g,
+                                        mfsdp_group_sched_t **gs_p)
+{
+    MFSDP_CHECK_ARG(plan != NULL && plan->manifest != NULL && gs_p != NULL);
+    MFSDP_CHECK_ARG(g < plan->manifest->ngroups);
+    const mfsdp_group_desc_t *gd = &plan->manifest->groups[g];
+    mfsdp_status_t st = MFSDP_OK;
+    mfsdp_group_sched_t *gs = calloc(1, sizeof(*gs));
+    if (gs == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    gs->group = g;
+    gs->world = plan->world;
+    MFSDP_CHECK_GOTO(mfsdp_group_layout_create(gd, plan->world, &gs->layout), st, out_err);
+    size_t first = plan->group_first[g];
+    if (plan->group_first[g + 1] - first != gd->nparams) {
+        MFSDP_WARN("plan has %zu shards for group %s of %zu params",
+                   plan->group_first[g + 1] - first, gd->name, gd->nparams);
+        st = MFSDP_ERR_INTERNAL;
+        goto out_err;
+    }
+    gs->segs = calloc(gd->nparams + 1, sizeof(*gs->segs));
+    gs->tail = calloc(gd->nparams + 1, sizeof(*gs->tail));
+    if (gs->segs == NULL || gs->tail == NULL) {
+        st = MFSDP_ERR_NO_MEMORY;
+        goto out_err;
+    }
+    for (size_t i = 0; i < gd->nparams; i++) {
+        const mfsdp_shard_t *sh = &plan->shards[first + i];
+        const mfsdp_param_layout_t *ag = &gs->layout->ag.entries[i];
+        long rs = gs->layout->rs_entry[i];
+        if (sh->group != g || sh->param != i) {
+            st = MFSDP_ERR_INTERNAL;
+            goto out_err;
+        }
+        if (sh->owner == MFSDP_OWNER_SHARDED) {
+            gs->tail[gs->ntail++] = i;
+            if (mfsdp_add_overflow(gs->tail_ag_bytes, ag->s_bytes, &gs->tail_ag_bytes)) {
+                st = MFSDP_ERR_OVERFLOW;
+                goto out_err;
+            }
+            if (rs >= 0) {
+                gs->tail_rs_elems += (size_t)gs->layout->rs.entries[rs].s;
+            }
+            continue;
+        }
+        if (sh->owner < 0 || sh->owner >= plan->world) {
+            MFSDP_WARN("plan: shard %zu has owner %d outside [0, %d)", first + i, sh->owner,
+                       plan->world);
+            st = MFSDP_ERR_INTERNAL;
+            goto out_err;
+        }
+        mfsdp_sched_seg_t *s = &gs->segs[gs->nsegs++];
+        s->shard = first + i;
+        s->param = i;
+        s->owner = sh->owner;
+        if (mfsdp_mul_overflow((size_t)ag->rows, (size_t)ag->rest, &s->numel) ||
+            mfsdp_mul_overflow(s->numel, ag->elt, &s->ag_bytes)) {
+            st = MFSDP_ERR_OVERFLOW;
+            goto out_err;
+        }
+        s->rs_entry = rs;
+    }
+    if (gs->nsegs + 1 > SCHED_TAG_LIMIT / SCHED_TAGS_PER_SEG) {
+        MFSDP_WARN("group %s has %zu owner segments; at most %d are supported", gd->name,
+                   gs->nsegs, SCHED_TAG_LIMIT / SCHED_TAGS_PER_SEG - 1);
+        st = MFSDP_ERR_UNSUPPORTED;
+        goto out_err;
+    }
+    *gs_p = gs;
+    return MFSDP_OK;
+out_err:
+    mfsdp_group_sched_destroy(gs);
+    return st;
+}
+
+/* A growable op list. */
+typedef struct oplist {
+    mfsdp_sched_op_t *v;
+    size_t n, cap;
+    int oom;
+} oplist_t;
+
+static long push(oplist_t *l, const mfsdp_sched_op_t *op)
+{
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? 2 * l->cap : 16;
+        mfsdp_sched_op_t *v = realloc(l->v, cap * sizeof(*v));
+        if (v == NULL) {
+            l->oom = 1;
+            return -1;
+        }
+        l->v = v;
+        l->cap = cap;
+    }
+    l->v[l->n] = *op;
+    return (long)l->n++;
+}
+
+static mfsdp_sched_op_t mkop(mfsdp_sched_kind_t kind, uint32_t seg, int peer,
+                             mfsdp_sched_buf_t buf, size_t off, size_t len, int tag, long dep)
+{
+    mfsdp_sched_op_t op;
+    memset(&op, 0, sizeof(op));
+    op.kind = kind;
+    op.seg = seg;
+    op.peer = peer;
+    op.buf = buf;
+    op.off = off;
+    op.len = len;
+    op.boff = off;
+    op.tag = tag;
+    op.dep = dep;
+    return op;
+}
+
+/* Pieces of [0, total) of at most step units. */
+#define FOR_CHUNKS(off, len, total, step)                                                     \
+    for (size_t off = 0, len = 0; off < (total) &&                                            \
+                                  ((len = ((total) - off < (step) ? (total) - off : (step))), 1); \
+         off += len)
+
+static void gather_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int rank, int n,
+                       mfsdp_algo_t algo, size_t chunk)
+{
+    int tag = SCHED_TAGS_PER_SEG * (int)si;
+    int o = s->owner;
+    if (n == 1) {
+        return; /* the owner's copy is the whole result */
+    }
+    switch (algo) {
+    case MFSDP_ALGO_DIRECT:
+        if (rank == o) {
+            for (int j = 0; j < n; j++) {
+                if (j == o) {
+                    continue;
+                }
+                FOR_CHUNKS(off, len, s->ag_bytes, MFSDP_SCHED_MAX_MSG) {
+                    mfsdp_sched_op_t op = mkop(MFSDP_SCHED_SEND, si, j, MFSDP_BUF_SRC, off, len,
+                                               tag, -1);
+                    push(l, &op);
+                }
+            }
+        } else {
+            FOR_CHUNKS(off, len, s->ag_bytes, MFSDP_SCHED_MAX_MSG) {
+                mfsdp_sched_op_t op = mkop(MFSDP_SCHED_RECV, si, o, MFSDP_BUF_STAGE, off, len,
+                                           tag, -1);
+                push(l, &op);
+            }
+        }
+        break;
+    case MFSDP_ALGO_CHAIN: {
+        int pos = (rank - o + n) % n;
+        int next = (rank + 1) % n;
+        int prev = (rank + n - 1) % n;
+        long rel[MFSDP_SCHED_WINDOW]; /* op that frees each ring slot */
+        size_t k = 0;
+        FOR_CHUNKS(off, len, s->ag_bytes, chunk) {
+            size_t slot = k % MFSDP_SCHED_WINDOW;
+            int stag = tag + (int)slot;
+            if (pos == 0) {
+                mfsdp_sched_op_t op = mkop(MFSDP_SCHED_SEND, si, next, MFSDP_BUF_SRC, off, len,
+                                           stag, -1);
+                push(l, &op);
+                k++;
+                continue;
+            }
+            /* receive into the ring slot once its previous chunk left, copy it out, then
+             * forward it */
+            mfsdp_sched_op_t op = mkop(MFSDP_SCHED_RECV, si, prev, MFSDP_BUF_STAGE, off, len,
+                                       stag, k >= MFSDP_SCHED_WINDOW ? rel[slot] : -1);
+            op.boff = slot * chunk;
+            long d = push(l, &op);
+            op = mkop(MFSDP_SCHED_COPYOUT, si, rank, MFSDP_BUF_STAGE, off, len, stag, d);
+            op.boff = slot * chunk;
+            d = push(l, &op);
+            if (pos < n - 1) {
+                op = mkop(MFSDP_SCHED_SEND, si, next, MFSDP_BUF_STAGE, off, len, stag, d);
+                op.boff = slot * chunk;
+                d = push(l, &op);
+            }
+            rel[slot] = d;
+            k++;
+        }
+        break;
+    }
+    default: /* NATIVE */
+        FOR_CHUNKS(off, len, s->ag_bytes, MFSDP_SCHED_MAX_MSG) {
+            mfsdp_sched_op_t op = mkop(MFSDP_SCHED_BCAST, si, o,
+                                       rank == o ? MFSDP_BUF_SRC : MFSDP_BUF_STAGE, off, len,
+                                       tag, -1);
+            push(l, &op);
+        }
+        break;
+    }
+}
+
+static void reduce_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int rank, int n,
+                       mfsdp_algo_t algo, size_t chunk_elems, size_t max_elems)
+{
+    int tag = SCHED_TAGS_PER_SEG * (int)si;
+    int o = s->owner;
+    switch (algo) {
+    case MFSDP_ALGO_DIRECT:
+        if (rank != o) {
+            FOR_CHUNKS(off, len, s->numel, max_elems) {
+                mfsdp_sched_op_t op = mkop(MFSDP_SCHED_SEND, si, o, MFSDP_BUF_SRC, off, len, tag,
+                                           -1);
+                push(l, &op);
+            }
+            return;
+        }
+        for (int j = 0; j < n; j++) {
+            if (j == o) {
+                continue;
+            }
+            FOR_CHUNKS(off, len, s->numel, max_elems) {
+                mfsdp_sched_op_t op = mkop(MFSDP_SCHED_RECV, si, j, MFSDP_BUF_STAGE, off, len,
+                                           tag, -1);
+                op.slot = j;
+                push(l, &op);
+            }
+        }
+        {
+            mfsdp_sched_op_t op = mkop(MFSDP_SCHED_APPLY, si, o, MFSDP_BUF_STAGE, 0, s->numel,
+                                       tag, MFSDP_SCHED_DEP_ALL);
+            op.apply = MFSDP_APPLY_ORDERED;
+            push(l, &op);
+        }
+        return;
+    case MFSDP_ALGO_CHAIN: {
+        /* Partial sums flow 0 -> 1 -> ... -> n-1 (rank order, like direct), then the last
+         * rank hands the full sum to the owner unless it is the owner. PIN (= POUT) and
+         * FINAL are rings of MFSDP_SCHED_WINDOW chunks: a chunk's slot is reused once the
+         * chunk WINDOW earlier was sent on (or applied). */
+        long rel[MFSDP_SCHED_WINDOW], relf[MFSDP_SCHED_WINDOW];
+        size_t k = 0;
+        FOR_CHUNKS(off, len, s->numel, chunk_elems) {
+            size_t slot = k % MFSDP_SCHED_WINDOW;
+            size_t boff = slot * chunk_elems;
+            int stag = tag + (int)slot;                        /* chain hops */
+            int ftag = tag + MFSDP_SCHED_WINDOW + (int)slot;   /* last rank -> owner */
+            long dep = k >= MFSDP_SCHED_WINDOW ? rel[slot] : -1;
+            mfsdp_sched_op_t op;
+            if (rank > 0) {
+                op = mkop(MFSDP_SCHED_RECV, si, rank - 1, MFSDP_BUF_PIN, off, len, stag, dep);
+                op.boff = boff;
+                dep = push(l, &op);
+            }
+            if (rank < n - 1 || rank != o) {
+                op = mkop(MFSDP_SCHED_SEND, si, rank < n - 1 ? rank + 1 : o, MFSDP_BUF_POUT, off,
+                          len, rank < n - 1 ? stag : ftag, dep);
+                op.combine = 1;
+            } else {
+                op = mkop(MFSDP_SCHED_APPLY, si, o, MFSDP_BUF_PIN, off, len, stag, dep);
+                op.apply = MFSDP_APPLY_LAST;
+            }
+            op.has_in = rank > 0;
+            op.boff = boff;
+            rel[slot] = push(l, &op);
+            if (rank == o && o != n - 1) {
+                op = mkop(MFSDP_SCHED_RECV, si, n - 1, MFSDP_BUF_FINAL, off, len, ftag,
+                          k >= MFSDP_SCHED_WINDOW ? relf[slot] : -1);
+                op.boff = boff;
+                long d = push(l, &op);
+                op = mkop(MFSDP_SCHED_APPLY, si, o, MFSDP_BUF_FINAL, off, len, ftag, d);
+                op.apply = MFSDP_APPLY_FINAL;
+                op.boff = boff;
+                relf[slot] = push(l, &op);
+            }
+            k++;
+        }
+        return;
+    }
+    default: /* NATIVE */
+        FOR_CHUNKS(off, len, s->numel, max_elems) {
+            mfsdp_sched_op_t op = mkop(MFSDP_SCHED_REDUCE, si, o, MFSDP_BUF_POUT, off, len, tag,
+                                       -1);
+            op.combine = 1;
+            long d = push(l, &op);
+            if (rank == o) {
+                op = mkop(MFSDP_SCHED_APPLY, si, o, MFSDP_BUF_FINAL, off, len, tag, d);
+                op.apply = MFSDP_APPLY_FINAL;
+                push(l, &op);
+            }
+        }
+        return;
+    }
+}
+
+mfsdp_status_t mfsdp_sched_build(const mfsdp_group_sched_t *gs, int rank, mfsdp_sched_dir_t dir,
+                                 mfsdp_algo_t algo, size_t chunk, mfsdp_sched_ops_t *ops_p)
+{
+    MFSDP_CHECK_ARG(gs != NULL && ops_p != NULL && rank >= 0 && rank < gs->world);
+    MFSDP_CHECK_ARG(dir == MFSDP_SCHED_DIR_GATHER || dir == MFSDP_SCHED_DIR_REDUCE);
+    MFSDP_CHECK_ARG(algo == MFSDP_ALGO_DIRECT || algo == MFSDP_ALGO_CHAIN ||
+                    algo == MFSDP_ALGO_NATIVE);
+    MFSDP_CHECK_ARG(chunk >= sizeof(float));
+    oplist_t l = {0};
+    int n = gs->world;
+    int has_tail = dir == MFSDP_SCHED_DIR_GATHER ? gs->tail_ag_bytes != 0 : gs->tail_rs_elems != 0;
+    if (has_tail) {
+        mfsdp_sched_op_t op = mkop(MFSDP_SCHED_TAIL, 0, 0, MFSDP_BUF_STAGE, 0, 0,
+                                   SCHED_TAG_LIMIT - 1, -1);
+        push(&l, &op);
+    }
+    for (size_t i = 0; i < gs->nsegs; i++) {
+        const mfsdp_sched_seg_t *s = &gs->segs[i];
+        if (dir == MFSDP_SCHED_DIR_GATHER) {
+            gather_ops(&l, s, (uint32_t)i, rank, n, algo, chunk);
+        } else if (s->rs_entry >= 0) {
+            reduce_ops(&l, s, (uint32_t)i, rank, n, algo, chunk / sizeof(float),
+                       MFSDP_SCHED_MAX_MSG / sizeof(float));
+        }
+    }
+    if (l.oom) {
+        free(l.v);
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    ops_p->nops = l.n;
+    ops_p->ops = l.v;
+    return MFSDP_OK;
+}
+
+void mfsdp_sched_ops_free(mfsdp_sched_ops_t *ops)
+{
+    if (ops != NULL) {
+        free(ops->ops);
+        ops->ops = NULL;
+        ops->nops = 0;
+    }
+}

@@ -1,0 +1,232 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/**
+ * @file runtime.h
+ * @brief The mfsdp runtime: owner-broadcast all-gather, reduce-to-owner, owner-side
+ *        optimizer step (DESIGN.md sections 3-7).
+ *
+ * A context binds a manifest and its owner plan to a communicator. It keeps, on every
+ * rank, one owner arena (fp32 master weights, comm-dtype copies, fp32 gradient
+ * accumulators, Muon momentum, AdamW moments) for the tensors the rank owns whole and for
+ * its slices of sharded-tail tensors. FSDP's collectives map onto it:
+ *
+ *  - mfsdp_ctx_allgather() replaces `AllGather(send, recv, S, dtype)` of one param group:
+ *    it fills FSDP's rank-major buffer (DESIGN.md section 3) from the owners, padding rows
+ *    zeroed. The first call of a group also takes the initial weights from @p sendbuf
+ *    (each rank's FSDP shard), so the job's own initialization is kept.
+ *  - mfsdp_ctx_reduce() replaces `ReduceScatter(send, recv, S', dtype, op)`: every owner
+ *    receives the op-reduced full gradient of the matrices it owns and accumulates it into
+ *    its fp32 gradient; sharded-tail slices are reduced onto their ranks.
+ *  - The optimizer step runs on owners only (Muon on owned matrices, AdamW on the tail),
+ *    eagerly when a group's last micro-step reduce lands, or lazily before the next
+ *    iteration's first all-gather (required with gradient clipping).
+ *
+ * All functions taking a context are collective over the context's communicator unless
+ * stated otherwise: every rank must call them in the same order with the same group,
+ * count, dtype and op. Argument checks that can fail depend only on such rank-identical
+ * arguments, so every rank fails the same way and no rank waits for another. A NULL
+ * pointer passed on one rank only is still rejected on that rank, but its peers may then
+ * wait; do not do that.
+ *
+ * The communicator-specific constructor lives in mfsdp/runtime_mpi.h.
+ *
+ * A C trainer's iteration (FSDP's buffers and calls, remapped):
+ * @code
+ *   mfsdp_ctx_h ctx;
+ *   mfsdp_ctx_create_mpi(manifest, NULL, comm, &ctx);
+ *   for (;;) {
+ *       for (g = 0; g < ngroups; g++)      // forward: unshard each group
+ *           mfsdp_ctx_allgather(ctx, g, my_shard[g], full[g], S[g], ag_dtype[g]);
+ *       ...                                  // backward, reduce-scatter inputs in grad[g]
+ *       for (g = ngroups; g-- > 0;)
+ *           mfsdp_ctx_reduce(ctx, g, grad[g], out[g], S_rs[g], rs_dtype[g], MFSDP_OP_AVG, 0);
+ *   }                                        // steps run on owners (eager or lazy)
+ *   mfsdp_ctx_flush(ctx);                    // the last lazy step
+ *   mfsdp_ctx_get_param(ctx, "layers.0.wq", &view);  // view.master on the owner
+ *   mfsdp_ctx_destroy(&ctx);
+ * @endcode
+ */
+#ifndef MFSDP_RUNTIME_H
+#define MFSDP_RUNTIME_H
+
+#include "mfsdp/plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** Opaque runtime context. */
+typedef struct mfsdp_ctx *mfsdp_ctx_h;
+
+/** Options of a context. Zero-initialized means: take everything from MFSDP_* variables. */
+typedef struct mfsdp_ctx_opts {
+    /** A plan to use (borrowed: must outlive the context and be built for the same
+     *  manifest and world size), or NULL to plan inside mfsdp_ctx_create_mpi(). */
+    const mfsdp_plan_t *plan;
+    /** 1: plan with @ref plan_opts; 0: plan with MFSDP_TAIL, MFSDP_MEM_LIMIT, MFSDP_SPREAD. */
+    int has_plan_opts;
+    mfsdp_plan_opts_t plan_opts; /**< used when @ref has_plan_opts is 1 */
+    /** Owner-broadcast algorithm; AUTO: MFSDP_GATHER_ALGO, and when that is auto too,
+     *  direct up to 8 ranks and chain above (provisional, until measured). */
+    mfsdp_algo_t gather_algo;
+    mfsdp_algo_t reduce_algo;    /**< reduce-to-owner algorithm; AUTO: MFSDP_REDUCE_ALGO */
+    size_t chain_chunk;          /**< chain pipeline chunk in bytes; 0: MFSDP_CHAIN_CHUNK */
+    int has_step_mode;           /**< 1: use @ref step_mode; 0: MFSDP_STEP */
+    mfsdp_step_mode_t step_mode; /**< eager or lazy */
+    int accum_steps;             /**< micro-steps per optimizer step; 0: MFSDP_ACCUM_STEPS */
+    int has_clip;                /**< 1: use @ref clip; 0: MFSDP_CLIP */
+    double clip;                 /**< global gradient-norm threshold, 0 = off */
+    int no_mlock;                /**< 1: do not page-lock the arena (else MFSDP_MLOCK) */
+} mfsdp_ctx_opts_t;
+
+/** One parameter as seen from this rank (mfsdp_ctx_get_param()). */
+typedef struct mfsdp_param_view {
+    size_t group;          /**< group index in the manifest */
+    size_t param;          /**< param index in its group */
+    mfsdp_role_t role;     /**< MUON or ADAMW */
+    int owner;             /**< owner rank, or MFSDP_OWNER_SHARDED */
+    int local;             /**< 1 when this rank holds the tensor (owner) or a slice of it */
+    int initialized;       /**< 1 once the group's first all-gather took the weights */
+    mfsdp_dtype_t dtype;   /**< param (comm) dtype */
+    int ndim;              /**< as in the manifest */
+    int64_t shape[MFSDP_MAX_DIMS];
+    int64_t rows;          /**< 2-D view rows */
+    int64_t cols;          /**< 2-D view cols */
+    int64_t numel;         /**< elements of the whole tensor */
+    /** Elements held here: numel for an owned tensor, the FSDP slice (c * R, including
+     *  padding rows) for a sharded-tail tensor, 0 when not local. */
+    size_t local_elems;
+    /** Element offset of the local data in the whole tensor (r * c * R for a slice). */
+    size_t local_offset;
+    /** Elements of the local data that are real rows (the rest is zero padding). */
+    size_t local_valid;
+    const float *master;   /**< fp32 master weights (local_elems), NULL when not local */
+    const float *grad;     /**< fp32 accumulated gradient, NULL when not local or frozen */
+    const void *comm;      /**< comm-dtype copy (local_elems of dtype), NULL when not local */
+} mfsdp_param_view_t;
+
+/** Counters and memory of a context on this rank (mfsdp_ctx_get_stats()). */
+typedef struct mfsdp_ctx_stats {
+    int rank;                               /**< this rank */
+    int world;                              /**< communicator size */
+    size_t arena_bytes[MFSDP_ARENA_NCAT];   /**< owner-arena bytes per category */
+    size_t staging_bytes;                   /**< communication staging + optimizer workspace */
+    size_t peak_bytes;                      /**< everything the context keeps allocated */
+    int mlocked;                            /**< 1 when the arena is page-locked */
+    int numa_node;                          /**< NUMA node the arena is bound to, -1 if none */
+    uint64_t steps;                         /**< optimizer steps run (any group) */
+    uint64_t allgathers;                    /**< mfsdp_ctx_allgather() calls completed */
+    uint64_t reduces;                       /**< mfsdp_ctx_reduce() calls completed */
+    double step_seconds;                    /**< wall time spent in owner optimizer steps */
+    double last_grad_norm;                  /**< global norm of the last clipped step, or -1 */
+    mfsdp_algo_t gather_algo;               /**< resolved algorithms */
+    mfsdp_algo_t reduce_algo;
+    mfsdp_step_mode_t step_mode;            /**< resolved step mode */
+    int accum_steps;                        /**< resolved micro-steps per step */
+} mfsdp_ctx_stats_t;
+
+/**
+ * @brief Owner-broadcast all-gather of one param group into FSDP's rank-major layout.
+ *
+ * Equivalent to `AllGather(sendbuf, recvbuf, count, dtype)` of FSDP even shards of the
+ * current weights (DESIGN.md section 3): recvbuf[r*S + o_i, +s_i) holds rows
+ * [r*c_i, (r+1)*c_i) of param i and zero for rows >= N0_i. In a lazy context, the pending
+ * optimizer steps run first, once every group that has gradients has completed its
+ * accumulation window (so the backward pass's re-gathers do not trigger them; with
+ * clipping this is where the one scalar all-reduce happens). The first call of each group
+ * takes the initial weights from @p sendbuf (this rank's FSDP shard of every param).
+ * @param [in]  ctx      context
+ * @param [in]  group    group index in the manifest
+ * @param [in]  sendbuf  this rank's shard (count elements); may equal recvbuf + r*count*elt
+ *                       (FSDP's in-place convention); only read on a group's first call
+ * @param [out] recvbuf  world * count elements
+ * @param [in]  count    S in units of @p dtype; must equal the group's all-gather count
+ * @param [in]  dtype    the group's all-gather dtype (MFSDP_UINT8 for mixed-dtype groups)
+ * @return MFSDP_OK, MFSDP_ERR_STATE (destroyed context), MFSDP_ERR_INVALID_ARG (group
+ *         index, NULL buffer), MFSDP_ERR_MISMATCH (count or dtype), MFSDP_ERR_TRANSPORT
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *sendbuf,
+                                             void *recvbuf, size_t count, mfsdp_dtype_t dtype);
+
+/**
+ * @brief Reduce-to-owner of one group's gradients (replaces FSDP's reduce-scatter).
+ *
+ * @p sendbuf is FSDP's reduce-scatter input: world blocks of @p recvcount elements over the
+ * group's params that have a gradient. Each owned tensor's full gradient, reduced with
+ * @p op (sum, avg = sum / world, premulsum = sum of scalar * contribution), is accumulated
+ * into its owner's fp32 gradient; sharded-tail slices are reduced onto their ranks. On
+ * return @p recvbuf holds zeros for owner-managed bytes and the reduced slice (in @p dtype)
+ * for sharded-tail bytes. In an eager context, the group's optimizer step runs when this
+ * call completes its accumulation window.
+ * @param [in]  ctx        context
+ * @param [in]  group      group index
+ * @param [in]  sendbuf    world * recvcount elements of @p dtype
+ * @param [out] recvbuf    recvcount elements (must not overlap @p sendbuf)
+ * @param [in]  recvcount  S' of the group's reduce-scatter layout
+ * @param [in]  dtype      the group's reduce dtype
+ * @param [in]  op         MFSDP_OP_SUM, MFSDP_OP_AVG or MFSDP_OP_PREMULSUM
+ * @param [in]  scalar     PREMULSUM factor (ignored for other ops; must be finite)
+ * @return MFSDP_OK, MFSDP_ERR_STATE, MFSDP_ERR_INVALID_ARG, MFSDP_ERR_MISMATCH,
+ *         MFSDP_ERR_TRANSPORT
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_reduce(mfsdp_ctx_h ctx, size_t group, const void *sendbuf,
+                                          void *recvbuf, size_t recvcount, mfsdp_dtype_t dtype,
+                                          mfsdp_redop_t op, double scalar);
+
+/**
+ * @brief End the accumulation window now: run the optimizer step of every group that has
+ *        at least one accumulated micro-step (Muon on owned matrices, AdamW on the tail).
+ *
+ * Runs no collective, except exactly one scalar all-reduce of the squared gradient norm
+ * when clipping is on. Collective only in that case, but call it on every rank.
+ * @param [in] ctx  context
+ * @return MFSDP_OK, MFSDP_ERR_STATE (destroyed context, or a group whose weights were
+ *         never all-gathered), kernel errors, MFSDP_ERR_TRANSPORT
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_step(mfsdp_ctx_h ctx);
+
+/**
+ * @brief Run the pending lazy steps (groups whose accumulation window is complete); a
+ *        no-op in an eager context. Call before reading weights, checkpointing or exit.
+ * @param [in] ctx  context
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_flush(mfsdp_ctx_h ctx);
+
+/**
+ * @brief Look up a parameter by name. Not collective.
+ * @param [in]  ctx     context
+ * @param [in]  name    fully-qualified name as in the manifest
+ * @param [out] view_p  written on success; pointers stay valid until the next mutating
+ *                      call (allgather, reduce, step, flush, destroy)
+ * @return MFSDP_OK, MFSDP_ERR_STATE, MFSDP_ERR_INVALID_ARG, MFSDP_ERR_NOT_FOUND
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_get_param(mfsdp_ctx_h ctx, const char *name,
+                                             mfsdp_param_view_t *view_p);
+
+/**
+ * @brief Counters, resolved settings and memory of this rank. Not collective.
+ * @param [in]  ctx      context
+ * @param [out] stats_p  written on success
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_get_stats(mfsdp_ctx_h ctx, mfsdp_ctx_stats_t *stats_p);
+
+/**
+ * @brief The plan the context runs (owned by the context or borrowed from the options).
+ *        Not collective.
+ * @param [in]  ctx     context
+ * @param [out] plan_p  written on success
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_get_plan(mfsdp_ctx_h ctx, const mfsdp_plan_t **plan_p);
+
+/**
+ * @brief Release a context and set *ctx_p to NULL, so that a later call with the same
+ *        variable returns MFSDP_ERR_STATE. Pending lazy steps are not run: call
+ *        mfsdp_ctx_flush() first. Collective: it frees the context's duplicated
+ *        communicator (before MPI_Finalize).
+ * @param [in,out] ctx_p  NULL or *ctx_p == NULL is allowed
+ */
+MFSDP_API void mfsdp_ctx_destroy(mfsdp_ctx_h *ctx_p);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MFSDP_RUNTIME_H */

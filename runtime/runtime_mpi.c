@@ -1,0 +1,63 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Context creation over an MPI communicator (the MPI + CPU backend). */
+#include <stdlib.h>
+
+#include "core/checks.h"
+#include "mfsdp/runtime_mpi.h"
+#include "runtime/ctx.h"
+#include "transport/mpi.h"
+
+mfsdp_status_t mfsdp_ctx_create_mpi(const mfsdp_manifest_t *manifest,
+                                    const mfsdp_ctx_opts_t *opts, MPI_Comm comm,
+                                    mfsdp_ctx_h *ctx_p)
+{
+    MFSDP_CHECK_ARG(manifest != NULL && ctx_p != NULL && comm != MPI_COMM_NULL);
+    int world = 0;
+    int rank = 0;
+    MFSDP_MPI_CHECK(MPI_Comm_size(comm, &world));
+    MFSDP_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+    /* Checks on rank-identical values first: every rank fails alike, before any
+     * collective. */
+    if (manifest->world_size != 0 && manifest->world_size != world) {
+        MFSDP_WARN("the manifest is for world size %d but the communicator has %d ranks",
+                   manifest->world_size, world);
+        return MFSDP_ERR_MISMATCH;
+    }
+    if (opts != NULL && opts->plan != NULL && opts->plan->world != world) {
+        MFSDP_WARN("the plan is for world size %d but the communicator has %d ranks",
+                   opts->plan->world, world);
+        return MFSDP_ERR_MISMATCH;
+    }
+    struct mfsdp_ctx *ctx = calloc(1, sizeof(*ctx));
+    if (ctx == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    ctx->magic = MFSDP_CTX_MAGIC;
+    ctx->rank = rank;
+    ctx->world = world;
+    mfsdp_status_t st = mfsdp_transport_mpi_create(comm, &ctx->tp);
+    if (st != MFSDP_OK) {
+        free(ctx);
+        return st;
+    }
+    st = mfsdp_ctx_init_local(ctx, manifest, opts);
+    /* Agree on the outcome, so that a rank-local failure (memory) fails every rank instead
+     * of leaving the others waiting in their first collective. */
+    int mine = (int)st;
+    int worst = mine;
+    int rc = MPI_Allreduce(&mine, &worst, 1, MPI_INT, MPI_MIN, comm);
+    if (rc != MPI_SUCCESS) {
+        worst = MFSDP_ERR_TRANSPORT;
+    }
+    if (worst != MFSDP_OK) {
+        if (st == MFSDP_OK) {
+            MFSDP_WARN("context creation failed on another rank (%s)",
+                       mfsdp_status_string((mfsdp_status_t)worst));
+            st = (mfsdp_status_t)worst;
+        }
+        mfsdp_ctx_free(ctx);
+        return st;
+    }
+    *ctx_p = ctx;
+    return MFSDP_OK;
+}

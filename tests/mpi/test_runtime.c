@@ -1,0 +1,1221 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Multi-rank runtime test, run by meson under mpirun at 1..4 ranks. On random param groups
+ * (odd shapes, rows < ranks, 1-D params, mixed dtypes, frozen params, both tail policies,
+ * every algorithm) it proves:
+ *  - allgather: byte-identical to a native MPI_Allgather of FSDP even shards of the same
+ *    weights (in place and out of place, before and after training);
+ *  - reduce: each owner holds exactly the reduced full gradient (sum, avg, premulsum);
+ *    direct and chain bitwise equal to a rank-ordered fp32 sum, bitwise reproducible over 5
+ *    runs; native within rounding; the FSDP output shard zero for owner-managed bytes and
+ *    the reduced slice for sharded-tail bytes;
+ *  - training: 20 optimizer steps through the API match a float64 single-process
+ *    full-matrix Muon + AdamW reference (computed here from the summed gradients) within
+ *    1e-5 relative, eager and lazy, with accumulation, clipping and per-group lr/wd;
+ *  - no MPI call inside the step but the single scalar all-reduce with clipping (counted
+ *    by PMPI wrappers defined in this file);
+ *  - error statuses and messages (world size, counts, dtypes, group index, op, destroyed
+ *    context, eager + clipping) identical on every rank, without hangs.
+ */
+#include <math.h>
+#include <mpi.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "mfsdp/kernels.h"
+#include "mfsdp/runtime_mpi.h"
+
+static int g_rank, g_world;
+static int g_failures;
+
+#define CHECK(cond, ...)                                                                      \
+    do {                                                                                      \
+        if (!(cond)) {                                                                        \
+            g_failures++;                                                                     \
+            fprintf(stderr, "[rank %d] FAIL %s:%d: %s: ", g_rank, __FILE__, __LINE__, #cond); \
+            fprintf(stderr, __VA_ARGS__);                                                     \
+            fprintf(stderr, "\n");                                                            \
+        }                                                                                     \
+    } while (0)
+
+#define CHECK_OK(call)                                                                        \
+    do {                                                                                      \
+        mfsdp_status_t _s = (call);                                                           \
+        CHECK(_s == MFSDP_OK, "%s returned %s", #call, mfsdp_status_string(_s));              \
+    } while (0)
+
+/* ---------------------------------------------------------------------------------------
+ * PMPI wrappers: count MPI calls while g_counting is set.
+ */
+static int g_counting;
+static int g_calls_total;     /* calls that start communication (waits excluded) */
+static int g_calls_allreduce; /* MPI_Allreduce calls */
+static int g_calls_wait;      /* MPI_Wait* calls: their number depends on timing */
+
+static void count(int is_allreduce)
+{
+    if (g_counting) {
+        g_calls_total++;
+        g_calls_allreduce += is_allreduce;
+    }
+}
+
+static void count_wait(void)
+{
+    if (g_counting) {
+        g_calls_wait++;
+    }
+}
+
+int MPI_Allreduce(const void *s, void *r, int c, MPI_Datatype d, MPI_Op o, MPI_Comm comm)
+{
+    count(1);
+    return PMPI_Allreduce(s, r, c, d, o, comm);
+}
+int MPI_Iallreduce(const void *s, void *r, int c, MPI_Datatype d, MPI_Op o, MPI_Comm comm,
+                   MPI_Request *q)
+{
+    count(0);
+    return PMPI_Iallreduce(s, r, c, d, o, comm, q);
+}
+int MPI_Isend(const void *b, int c, MPI_Datatype d, int p, int t, MPI_Comm comm, MPI_Request *q)
+{
+    count(0);
+    return PMPI_Isend(b, c, d, p, t, comm, q);
+}
+int MPI_Irecv(void *b, int c, MPI_Datatype d, int p, int t, MPI_Comm comm, MPI_Request *q)
+{
+    count(0);
+    return PMPI_Irecv(b, c, d, p, t, comm, q);
+}
+int MPI_Send(const void *b, int c, MPI_Datatype d, int p, int t, MPI_Comm comm)
+{
+    count(0);
+    return PMPI_Send(b, c, d, p, t, comm);
+}
+int MPI_Recv(void *b, int c, MPI_Datatype d, int p, int t, MPI_Comm comm, MPI_Status *st)
+{
+    count(0);
+    return PMPI_Recv(b, c, d, p, t, comm, st);
+}
+int MPI_Ibcast(void *b, int c, MPI_Datatype d, int root, MPI_Comm comm, MPI_Request *q)
+{
+    count(0);
+    return PMPI_Ibcast(b, c, d, root, comm, q);
+}
+int MPI_Bcast(void *b, int c, MPI_Datatype d, int root, MPI_Comm comm)
+{
+    count(0);
+    return PMPI_Bcast(b, c, d, root, comm);
+}
+int MPI_Ireduce(const void *s, void *r, int c, MPI_Datatype d, MPI_Op o, int root, MPI_Comm comm,
+                MPI_Request *q)
+{
+    count(0);
+    return PMPI_Ireduce(s, r, c, d, o, root, comm, q);
+}
+int MPI_Reduce(const void *s, void *r, int c, MPI_Datatype d, MPI_Op o, int root, MPI_Comm comm)
+{
+    count(0);
+    return PMPI_Reduce(s, r, c, d, o, root, comm);
+}
+int MPI_Iallgather(const void *s, int sc, MPI_Datatype sd, void *r, int rc, MPI_Datatype rd,
+                   MPI_Comm comm, MPI_Request *q)
+{
+    count(0);
+    return PMPI_Iallgather(s, sc, sd, r, rc, rd, comm, q);
+}
+int MPI_Allgather(const void *s, int sc, MPI_Datatype sd, void *r, int rc, MPI_Datatype rd,
+                  MPI_Comm comm)
+{
+    count(0);
+    return PMPI_Allgather(s, sc, sd, r, rc, rd, comm);
+}
+int MPI_Ireduce_scatter_block(const void *s, void *r, int c, MPI_Datatype d, MPI_Op o,
+                              MPI_Comm comm, MPI_Request *q)
+{
+    count(0);
+    return PMPI_Ireduce_scatter_block(s, r, c, d, o, comm, q);
+}
+int MPI_Reduce_scatter_block(const void *s, void *r, int c, MPI_Datatype d, MPI_Op o,
+                             MPI_Comm comm)
+{
+    count(0);
+    return PMPI_Reduce_scatter_block(s, r, c, d, o, comm);
+}
+int MPI_Waitall(int n, MPI_Request *q, MPI_Status *st)
+{
+    count_wait();
+    return PMPI_Waitall(n, q, st);
+}
+int MPI_Waitsome(int n, MPI_Request *q, int *oc, int *idx, MPI_Status *st)
+{
+    count_wait();
+    return PMPI_Waitsome(n, q, oc, idx, st);
+}
+int MPI_Barrier(MPI_Comm comm)
+{
+    count(0);
+    return PMPI_Barrier(comm);
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Deterministic random numbers (identical on every rank).
+ */
+static uint64_t mix(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+static double urand(uint64_t a, uint64_t b, uint64_t c, uint64_t d)
+{
+    uint64_t h = mix(mix(mix(mix(a) ^ b) ^ c) ^ d);
+    return (double)(h >> 11) / 9007199254740992.0 * 2.0 - 1.0;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Hand-built manifests (the public struct; the JSON parser is tested elsewhere).
+ */
+static void add_param(mfsdp_group_desc_t *g, const char *name, int ndim, const int64_t *shape,
+                      mfsdp_dtype_t dtype, int requires_grad)
+{
+    mfsdp_param_desc_t *p = &g->params[g->nparams++];
+    memset(p, 0, sizeof(*p));
+    p->name = strdup(name);
+    p->ndim = ndim;
+    p->numel = 1;
+    for (int d = 0; d < ndim; d++) {
+        p->shape[d] = shape[d];
+        p->numel *= shape[d];
+    }
+    p->dtype = dtype;
+    p->requires_grad = requires_grad;
+    p->optimizer = ndim >= 2 && strstr(name, "embed") == NULL ? MFSDP_ROLE_MUON : MFSDP_ROLE_ADAMW;
+}
+
+static void manifest_free(mfsdp_manifest_t *m)
+{
+    for (size_t g = 0; g < m->ngroups; g++) {
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            free(m->groups[g].params[i].name);
+        }
+        free(m->groups[g].params);
+        free(m->groups[g].name);
+    }
+    free(m->groups);
+    free(m);
+}
+
+/* A random manifest: 1..3 groups of 1..4 params with odd shapes. */
+static mfsdp_manifest_t *random_manifest(uint64_t seed)
+{
+    mfsdp_manifest_t *m = calloc(1, sizeof(*m));
+    mfsdp_hparams_default(&m->hp);
+    m->hp.weight_decay = 0.01;
+    m->hp.adamw_weight_decay = 0.02;
+    m->ngroups = 1 + mix(seed) % 3;
+    m->groups = calloc(m->ngroups, sizeof(*m->groups));
+    static const int64_t rows[] = {1, 2, 3, 5, 7, 9, 13, 24, 31};
+    static const int64_t cols[] = {1, 3, 4, 6, 11, 16, 20};
+    for (size_t g = 0; g < m->ngroups; g++) {
+        mfsdp_group_desc_t *gd = &m->groups[g];
+        char name[64];
+        snprintf(name, sizeof(name), "g%zu", g);
+        gd->name = strdup(name);
+        gd->lr_scale = g == 1 ? 0.5 : 1.0;
+        if (g == 2) {
+            gd->has_weight_decay = 1;
+            gd->weight_decay = 0.05;
+        }
+        size_t np = 1 + mix(seed * 31 + g) % 4;
+        gd->params = calloc(np + 1, sizeof(*gd->params));
+        uint64_t kind = (seed + g) % 3; /* 0 fp32, 1 bf16, 2 mixed */
+        if (kind == 2) {
+            gd->has_reduce_dtype = 1;
+            gd->reduce_dtype = MFSDP_FLOAT32;
+        }
+        for (size_t i = 0; i < np; i++) {
+            uint64_t h = mix(seed * 1000 + g * 10 + i);
+            int64_t shape[3];
+            int ndim;
+            const char *stem = "w";
+            if (h % 5 == 0) {
+                ndim = 1;
+                shape[0] = rows[(h >> 8) % 9] + 1;
+                stem = "norm";
+            } else if (h % 7 == 1) {
+                ndim = 3;
+                shape[0] = rows[(h >> 8) % 9];
+                shape[1] = 2;
+                shape[2] = cols[(h >> 16) % 7];
+            } else {
+                ndim = 2;
+                shape[0] = rows[(h >> 8) % 9];
+                shape[1] = cols[(h >> 16) % 7] + 1;
+                if (h % 11 == 3) {
+                    stem = "embed";
+                }
+            }
+            mfsdp_dtype_t dt = kind == 0 ? MFSDP_FLOAT32
+                               : kind == 1 ? MFSDP_BFLOAT16
+                                           : ((h >> 24) & 1 ? MFSDP_BFLOAT16 : MFSDP_FLOAT32);
+            int rg = !(i > 0 && (h >> 32) % 6 == 0); /* some frozen params */
+            snprintf(name, sizeof(name), "g%zu.%s%zu", g, stem, i);
+            add_param(gd, name, ndim, shape, dt, rg);
+        }
+    }
+    return m;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * FSDP layout computed independently here (DESIGN.md section 3).
+ */
+typedef struct lay {
+    size_t n;                   /* entries */
+    size_t idx[8];              /* group param index */
+    int64_t rows[8], rest[8], c[8];
+    size_t elt[8], o[8];        /* bytes */
+    size_t S;                   /* bytes per rank */
+    mfsdp_dtype_t wire;
+    size_t count;
+} lay_t;
+
+static void layout_of(const mfsdp_group_desc_t *g, int rs, int n, lay_t *l)
+{
+    memset(l, 0, sizeof(*l));
+    int mixed = 0;
+    mfsdp_dtype_t rsd = g->has_reduce_dtype ? g->reduce_dtype : MFSDP_FLOAT32;
+    int have = g->has_reduce_dtype;
+    for (size_t i = 0; i < g->nparams; i++) {
+        mixed |= g->params[i].dtype != g->params[0].dtype;
+        if (!have && g->params[i].requires_grad) {
+            rsd = g->params[i].dtype;
+            have = 1;
+        }
+    }
+    for (size_t i = 0; i < g->nparams; i++) {
+        const mfsdp_param_desc_t *p = &g->params[i];
+        if (rs && !p->requires_grad) {
+            continue;
+        }
+        size_t k = l->n++;
+        l->idx[k] = i;
+        l->rows[k] = p->shape[0];
+        l->rest[k] = p->numel / p->shape[0];
+        l->c[k] = (p->shape[0] + n - 1) / n;
+        l->elt[k] = mfsdp_dtype_size(rs ? rsd : p->dtype);
+        l->o[k] = l->S;
+        l->S += (size_t)(l->c[k] * l->rest[k]) * l->elt[k];
+    }
+    l->wire = rs ? rsd : (mixed ? MFSDP_UINT8 : g->params[0].dtype);
+    l->count = l->S / mfsdp_dtype_size(l->wire);
+}
+
+/* Element e of a full tensor, written in dtype. */
+static void put(void *dst, mfsdp_dtype_t dt, size_t e, double v)
+{
+    if (dt == MFSDP_FLOAT32) {
+        ((float *)dst)[e] = (float)v;
+    } else if (dt == MFSDP_BFLOAT16) {
+        ((uint16_t *)dst)[e] = mfsdp_f32_to_bf16((float)v);
+    } else {
+        ((uint16_t *)dst)[e] = mfsdp_f32_to_f16((float)v);
+    }
+}
+
+static double get(const void *src, mfsdp_dtype_t dt, size_t e)
+{
+    if (dt == MFSDP_FLOAT32) {
+        return ((const float *)src)[e];
+    }
+    if (dt == MFSDP_BFLOAT16) {
+        return mfsdp_bf16_to_f32(((const uint16_t *)src)[e]);
+    }
+    return mfsdp_f16_to_f32(((const uint16_t *)src)[e]);
+}
+
+/* Rank r's even shard of a group, from full tensors (bytes of the params' dtypes). */
+static void build_shard(const lay_t *l, void *const *full, int r, char *out)
+{
+    memset(out, 0, l->S);
+    for (size_t k = 0; k < l->n; k++) {
+        int64_t first = r * l->c[k];
+        int64_t nrows = l->rows[k] - first;
+        nrows = nrows < 0 ? 0 : (nrows > l->c[k] ? l->c[k] : nrows);
+        size_t rb = (size_t)l->rest[k] * l->elt[k];
+        if (nrows > 0) {
+            memcpy(out + l->o[k], (const char *)full[l->idx[k]] + (size_t)first * rb,
+                   (size_t)nrows * rb);
+        }
+    }
+}
+
+/* Initial weights of a param: deterministic values in its dtype. */
+static void *initial_weights(const mfsdp_param_desc_t *p, uint64_t seed, size_t gi, size_t pi)
+{
+    void *w = malloc((size_t)p->numel * mfsdp_dtype_size(p->dtype));
+    for (int64_t e = 0; e < p->numel; e++) {
+        put(w, p->dtype, (size_t)e, 0.5 * urand(seed, gi, pi, (uint64_t)e));
+    }
+    return w;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Context helpers
+ */
+static mfsdp_ctx_h make_ctx(const mfsdp_manifest_t *m, mfsdp_tail_policy_t tail,
+                            mfsdp_algo_t ga, mfsdp_algo_t ra, mfsdp_step_mode_t mode, int accum,
+                            double clip)
+{
+    mfsdp_ctx_opts_t o;
+    memset(&o, 0, sizeof(o));
+    o.has_plan_opts = 1;
+    o.plan_opts.tail = tail;
+    o.gather_algo = ga;
+    o.reduce_algo = ra;
+    o.chain_chunk = 64; /* many chunks per segment: exercises the pipeline */
+    o.has_step_mode = 1;
+    o.step_mode = mode;
+    o.accum_steps = accum;
+    o.has_clip = 1;
+    o.clip = clip;
+    mfsdp_ctx_h ctx = NULL;
+    mfsdp_status_t st = mfsdp_ctx_create_mpi(m, &o, MPI_COMM_WORLD, &ctx);
+    CHECK(st == MFSDP_OK, "ctx create: %s", mfsdp_status_string(st));
+    return st == MFSDP_OK ? ctx : NULL;
+}
+
+static const char *algo_name(mfsdp_algo_t a)
+{
+    return a == MFSDP_ALGO_DIRECT ? "direct" : a == MFSDP_ALGO_CHAIN ? "chain" : "native";
+}
+
+/* Every group's weights as full tensors (param dtype), per group/param. */
+typedef struct weights {
+    size_t ng;
+    void ***w; /* w[g][i] */
+} weights_t;
+
+static weights_t make_weights(const mfsdp_manifest_t *m, uint64_t seed)
+{
+    weights_t W = {.ng = m->ngroups};
+    W.w = calloc(m->ngroups, sizeof(*W.w));
+    for (size_t g = 0; g < m->ngroups; g++) {
+        W.w[g] = calloc(m->groups[g].nparams, sizeof(void *));
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            W.w[g][i] = initial_weights(&m->groups[g].params[i], seed, g, i);
+        }
+    }
+    return W;
+}
+
+static void free_weights(const mfsdp_manifest_t *m, weights_t *W)
+{
+    for (size_t g = 0; g < W->ng; g++) {
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            free(W->w[g][i]);
+        }
+        free(W->w[g]);
+    }
+    free(W->w);
+}
+
+/* mfsdp allgather of group g vs native MPI_Allgather of even shards of W (byte equal). */
+static void check_allgather(mfsdp_ctx_h ctx, const mfsdp_manifest_t *m, size_t g,
+                            void *const *full, int in_place, const char *what)
+{
+    lay_t l;
+    layout_of(&m->groups[g], 0, g_world, &l);
+    size_t tot = l.S * (size_t)g_world;
+    char *mine = malloc(l.S + 1);
+    char *expect = malloc(tot + 1);
+    char *recv = malloc(tot + 1);
+    build_shard(&l, full, g_rank, mine);
+    PMPI_Allgather(mine, (int)l.S, MPI_BYTE, expect, (int)l.S, MPI_BYTE, MPI_COMM_WORLD);
+    memset(recv, 0xA5, tot);
+    const void *send = mine;
+    if (in_place) {
+        memcpy(recv + (size_t)g_rank * l.S, mine, l.S);
+        send = recv + (size_t)g_rank * l.S;
+    }
+    mfsdp_status_t st = mfsdp_ctx_allgather(ctx, g, send, recv, l.count, l.wire);
+    CHECK(st == MFSDP_OK, "%s: allgather group %zu: %s", what, g, mfsdp_status_string(st));
+    CHECK(memcmp(recv, expect, tot) == 0, "%s: allgather group %zu differs from MPI_Allgather",
+          what, g);
+    free(mine);
+    free(expect);
+    free(recv);
+}
+
+/* ---------------------------------------------------------------------------------------
+ * 1. All-gather exactness
+ */
+static void test_allgather(uint64_t seed)
+{
+    static const mfsdp_algo_t algos[] = {MFSDP_ALGO_DIRECT, MFSDP_ALGO_CHAIN, MFSDP_ALGO_NATIVE};
+    mfsdp_manifest_t *m = random_manifest(seed);
+    weights_t W = make_weights(m, seed);
+    for (int tail = 0; tail < 2; tail++) {
+        for (int a = 0; a < 3; a++) {
+            mfsdp_ctx_h ctx = make_ctx(m, tail ? MFSDP_TAIL_SHARD : MFSDP_TAIL_OWNER, algos[a],
+                                       MFSDP_ALGO_DIRECT, MFSDP_STEP_LAZY, 1000, 0.0);
+            if (ctx == NULL) {
+                continue;
+            }
+            char what[96];
+            for (int rep = 0; rep < 2; rep++) {
+                for (size_t g = 0; g < m->ngroups; g++) {
+                    snprintf(what, sizeof(what), "seed %llu tail %s gather %s rep %d",
+                             (unsigned long long)seed, tail ? "shard" : "owner",
+                             algo_name(algos[a]), rep);
+                    check_allgather(ctx, m, g, W.w[g], (rep + (int)g) % 2, what);
+                }
+            }
+            mfsdp_ctx_destroy(&ctx);
+        }
+    }
+    free_weights(m, &W);
+    manifest_free(m);
+}
+
+/* ---------------------------------------------------------------------------------------
+ * 2. Reduce-to-owner exactness
+ */
+
+/* Contribution (full local gradient) of rank r for group param i, element e. */
+static double contrib(uint64_t seed, int r, size_t g, size_t i, size_t e, int step)
+{
+    return urand(seed ^ 0xC0FFEEULL, (uint64_t)r * 131 + (uint64_t)step, g * 17 + i, e);
+}
+
+/* Rank r's reduce-scatter input of group g (world blocks). */
+static char *rs_input(const mfsdp_manifest_t *m, size_t g, const lay_t *l, uint64_t seed, int r,
+                      int step)
+{
+    char *buf = calloc((size_t)g_world, l->S + 1);
+    for (size_t k = 0; k < l->n; k++) {
+        const mfsdp_param_desc_t *p = &m->groups[g].params[l->idx[k]];
+        void *full = malloc((size_t)p->numel * l->elt[k]);
+        for (int64_t e = 0; e < p->numel; e++) {
+            put(full, l->wire, (size_t)e, contrib(seed, r, g, l->idx[k], (size_t)e, step));
+        }
+        for (int j = 0; j < g_world; j++) {
+            int64_t first = j * l->c[k];
+            int64_t nrows = l->rows[k] - first;
+            nrows = nrows < 0 ? 0 : (nrows > l->c[k] ? l->c[k] : nrows);
+            size_t rb = (size_t)l->rest[k] * l->elt[k];
+            if (nrows > 0) {
+                memcpy(buf + (size_t)j * l->S + l->o[k], (char *)full + (size_t)first * rb,
+                       (size_t)nrows * rb);
+            }
+        }
+        free(full);
+    }
+    return buf;
+}
+
+/* The rank-ordered fp32 reduction of element e, as the direct algorithm defines it. */
+static float ordered(const lay_t *l, uint64_t seed, size_t g, size_t i, size_t e,
+                     mfsdp_redop_t op, float sc, int step)
+{
+    float s = 0.0f;
+    for (int r = 0; r < g_world; r++) {
+        char tmp[4];
+        put(tmp, l->wire, 0, contrib(seed, r, g, i, e, step));
+        float x = (float)get(tmp, l->wire, 0);
+        if (op == MFSDP_OP_PREMULSUM) {
+            x = x * sc;
+        }
+        s = r == 0 ? x : s + x;
+    }
+    if (op == MFSDP_OP_AVG) {
+        s = s / (float)g_world;
+    }
+    return 0.0f + s;
+}
+
+static double reduced_ref(const lay_t *l, uint64_t seed, size_t g, size_t i, size_t e,
+                          mfsdp_redop_t op, double sc, int step)
+{
+    double s = 0.0;
+    for (int r = 0; r < g_world; r++) {
+        char tmp[4];
+        put(tmp, l->wire, 0, contrib(seed, r, g, i, e, step));
+        s += get(tmp, l->wire, 0) * (op == MFSDP_OP_PREMULSUM ? sc : 1.0);
+    }
+    return op == MFSDP_OP_AVG ? s / g_world : s;
+}
+
+static void test_reduce(uint64_t seed)
+{
+    static const mfsdp_algo_t algos[] = {MFSDP_ALGO_DIRECT, MFSDP_ALGO_CHAIN, MFSDP_ALGO_NATIVE};
+    static const mfsdp_redop_t ops[] = {MFSDP_OP_SUM, MFSDP_OP_AVG, MFSDP_OP_PREMULSUM};
+    const float sc = 0.37f;
+    mfsdp_manifest_t *m = random_manifest(seed);
+    weights_t W = make_weights(m, seed);
+    for (int tail = 0; tail < 2; tail++) {
+        for (int a = 0; a < 3; a++) {
+            for (int o = 0; o < 3; o++) {
+                int runs = algos[a] == MFSDP_ALGO_DIRECT && o == 1 ? 5 : 1;
+                float **first = NULL; /* grads of run 0 per (g, param), for reproducibility */
+                size_t nslots = 0;
+                for (size_t g = 0; g < m->ngroups; g++) {
+                    nslots += m->groups[g].nparams;
+                }
+                first = calloc(nslots, sizeof(*first));
+                for (int run = 0; run < runs; run++) {
+                    mfsdp_ctx_h ctx = make_ctx(m, tail ? MFSDP_TAIL_SHARD : MFSDP_TAIL_OWNER,
+                                               MFSDP_ALGO_NATIVE, algos[a], MFSDP_STEP_LAZY,
+                                               1000, 0.0);
+                    if (ctx == NULL) {
+                        continue;
+                    }
+                    char what[128];
+                    snprintf(what, sizeof(what), "seed %llu tail %s reduce %s op %d run %d",
+                             (unsigned long long)seed, tail ? "shard" : "owner",
+                             algo_name(algos[a]), (int)ops[o], run);
+                    size_t slot = 0;
+                    for (size_t g = 0; g < m->ngroups; g++) {
+                        check_allgather(ctx, m, g, W.w[g], 0, what);
+                        lay_t l;
+                        layout_of(&m->groups[g], 1, g_world, &l);
+                        char *in = rs_input(m, g, &l, seed, g_rank, 0);
+                        char *out = malloc(l.S + 1);
+                        memset(out, 0x5A, l.S);
+                        mfsdp_status_t st = mfsdp_ctx_reduce(ctx, g, in, out, l.count, l.wire,
+                                                             ops[o], sc);
+                        CHECK(st == MFSDP_OK, "%s: reduce group %zu: %s", what, g,
+                              mfsdp_status_string(st));
+                        for (size_t k = 0; k < l.n; k++) {
+                            size_t i = l.idx[k];
+                            const mfsdp_param_desc_t *p = &m->groups[g].params[i];
+                            mfsdp_param_view_t v;
+                            CHECK_OK(mfsdp_ctx_get_param(ctx, p->name, &v));
+                            size_t sbytes = (size_t)(l.c[k] * l.rest[k]) * l.elt[k];
+                            if (v.owner == MFSDP_OWNER_SHARDED) {
+                                /* Slice of rank g_rank: native sum, within rounding; the
+                                 * output shard holds the reduced slice. */
+                                CHECK(v.grad != NULL, "%s: %s slice has no grad", what, p->name);
+                                for (size_t e = 0; v.grad && e < v.local_valid; e++) {
+                                    double ref = reduced_ref(&l, seed, g, i, v.local_offset + e,
+                                                             ops[o], sc, 0);
+                                    CHECK(fabs(v.grad[e] - ref) <= 1e-5 * (1 + fabs(ref)),
+                                          "%s: %s slice[%zu] %g vs %g", what, p->name, e,
+                                          v.grad[e], ref);
+                                    double got = get(out + l.o[k], l.wire, e);
+                                    CHECK(fabs(got - ref) <= 1e-2 * (1 + fabs(ref)),
+                                          "%s: %s output[%zu] %g vs %g", what, p->name, e, got,
+                                          ref);
+                                }
+                                continue;
+                            }
+                            /* Owner-managed bytes of the output are zero. */
+                            for (size_t b = 0; b < sbytes; b++) {
+                                if (out[l.o[k] + b] != 0) {
+                                    CHECK(0, "%s: %s output byte %zu not zeroed", what, p->name,
+                                          b);
+                                    break;
+                                }
+                            }
+                            if (v.owner != g_rank) {
+                                CHECK(v.grad == NULL && v.master == NULL,
+                                      "%s: %s visible on a non-owner", what, p->name);
+                                continue;
+                            }
+                            CHECK(v.grad != NULL, "%s: owner of %s has no grad", what, p->name);
+                            if (v.grad == NULL) {
+                                continue;
+                            }
+                            for (size_t e = 0; e < (size_t)p->numel; e++) {
+                                if (algos[a] == MFSDP_ALGO_NATIVE) {
+                                    double ref = reduced_ref(&l, seed, g, i, e, ops[o], sc, 0);
+                                    if (!(fabs(v.grad[e] - ref) <= 1e-5 * (1 + fabs(ref)))) {
+                                        CHECK(0, "%s: %s[%zu] = %g, expected %g", what, p->name,
+                                              e, v.grad[e], ref);
+                                        break;
+                                    }
+                                } else {
+                                    float ref = ordered(&l, seed, g, i, e, ops[o], sc, 0);
+                                    if (memcmp(&v.grad[e], &ref, sizeof(float)) != 0) {
+                                        CHECK(0, "%s: %s[%zu] = %.9g, rank-ordered sum %.9g",
+                                              what, p->name, e, v.grad[e], ref);
+                                        break;
+                                    }
+                                }
+                            }
+                            size_t fi = slot + i;
+                            if (run == 0) {
+                                first[fi] = malloc((size_t)p->numel * sizeof(float));
+                                memcpy(first[fi], v.grad, (size_t)p->numel * sizeof(float));
+                            } else {
+                                CHECK(memcmp(first[fi], v.grad,
+                                             (size_t)p->numel * sizeof(float)) == 0,
+                                      "%s: %s not bitwise reproducible", what, p->name);
+                            }
+                        }
+                        free(in);
+                        free(out);
+                        slot += m->groups[g].nparams;
+                    }
+                    mfsdp_ctx_destroy(&ctx);
+                }
+                for (size_t s = 0; s < nslots; s++) {
+                    free(first[s]);
+                }
+                free(first);
+            }
+        }
+    }
+    free_weights(m, &W);
+    manifest_free(m);
+}
+
+/* ---------------------------------------------------------------------------------------
+ * 3. Training against a float64 single-process reference
+ */
+typedef struct ref_param {
+    double *w, *mom, *m, *v, *g;
+    int64_t numel, rows, cols;
+    int muon, rg;
+} ref_param_t;
+
+static void ns_ref(double *x, int64_t m, int64_t k, int steps)
+{
+    /* X (m x k); transpose when m > k so that A = X X^T is the small Gram matrix. */
+    int tr = m > k;
+    int64_t r = tr ? k : m, c = tr ? m : k;
+    double *X = malloc(sizeof(double) * (size_t)(r * c));
+    double *A = malloc(sizeof(double) * (size_t)(r * r));
+    double *B = malloc(sizeof(double) * (size_t)(r * r));
+    double *Y = malloc(sizeof(double) * (size_t)(r * c));
+    double nrm = 0;
+    for (int64_t i = 0; i < m; i++) {
+        for (int64_t j = 0; j < k; j++) {
+            double v = x[i * k + j];
+            if (tr) {
+                X[j * c + i] = v;
+            } else {
+                X[i * c + j] = v;
+            }
+            nrm += v * v;
+        }
+    }
+    nrm = sqrt(nrm) + 1e-7;
+    for (int64_t i = 0; i < r * c; i++) {
+        X[i] /= nrm;
+    }
+    const double a = 3.4445, b = -4.7750, cc = 2.0315;
+    for (int s = 0; s < steps; s++) {
+        for (int64_t i = 0; i < r; i++) {
+            for (int64_t j = 0; j < r; j++) {
+                double acc = 0;
+                for (int64_t t = 0; t < c; t++) {
+                    acc += X[i * c + t] * X[j * c + t];
+                }
+                A[i * r + j] = acc;
+            }
+        }
+        for (int64_t i = 0; i < r; i++) {
+            for (int64_t j = 0; j < r; j++) {
+                double acc = 0;
+                for (int64_t t = 0; t < r; t++) {
+                    acc += A[i * r + t] * A[t * r + j];
+                }
+                B[i * r + j] = b * A[i * r + j] + cc * acc;
+            }
+        }
+        for (int64_t i = 0; i < r; i++) {
+            for (int64_t j = 0; j < c; j++) {
+                double acc = 0;
+                for (int64_t t = 0; t < r; t++) {
+                    acc += B[i * r + t] * X[t * c + j];
+                }
+                Y[i * c + j] = a * X[i * c + j] + acc;
+            }
+        }
+        memcpy(X, Y, sizeof(double) * (size_t)(r * c));
+    }
+    for (int64_t i = 0; i < m; i++) {
+        for (int64_t j = 0; j < k; j++) {
+            x[i * k + j] = tr ? X[j * c + i] : X[i * c + j];
+        }
+    }
+    free(X);
+    free(A);
+    free(B);
+    free(Y);
+}
+
+typedef struct train_cfg {
+    mfsdp_tail_policy_t tail;
+    mfsdp_algo_t ga, ra;
+    mfsdp_step_mode_t mode;
+    int accum;
+    double clip;
+    mfsdp_redop_t op;
+} train_cfg_t;
+
+static void test_train(uint64_t seed, const train_cfg_t *tc)
+{
+    const int nsteps = 20;
+    const double sc = 0.25;
+    mfsdp_manifest_t *m = random_manifest(seed);
+    weights_t W = make_weights(m, seed);
+    char what[160];
+    snprintf(what, sizeof(what),
+             "train seed %llu tail %s gather %s reduce %s %s accum %d clip %g op %d",
+             (unsigned long long)seed, tc->tail == MFSDP_TAIL_SHARD ? "shard" : "owner",
+             algo_name(tc->ga), algo_name(tc->ra), tc->mode == MFSDP_STEP_LAZY ? "lazy" : "eager",
+             tc->accum, tc->clip, (int)tc->op);
+    mfsdp_ctx_h ctx = make_ctx(m, tc->tail, tc->ga, tc->ra, tc->mode, tc->accum, tc->clip);
+    if (ctx == NULL) {
+        free_weights(m, &W);
+        manifest_free(m);
+        return;
+    }
+    const mfsdp_hparams_t *hp = &m->hp;
+
+    /* Reference state, full tensors in double. */
+    size_t ng = m->ngroups;
+    ref_param_t **R = calloc(ng, sizeof(*R));
+    lay_t *LA = calloc(ng, sizeof(*LA)), *LR = calloc(ng, sizeof(*LR));
+    for (size_t g = 0; g < ng; g++) {
+        layout_of(&m->groups[g], 0, g_world, &LA[g]);
+        layout_of(&m->groups[g], 1, g_world, &LR[g]);
+        R[g] = calloc(m->groups[g].nparams, sizeof(**R));
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            const mfsdp_param_desc_t *p = &m->groups[g].params[i];
+            ref_param_t *q = &R[g][i];
+            q->numel = p->numel;
+            q->rows = p->shape[0];
+            q->cols = p->numel / p->shape[0];
+            q->muon = p->optimizer == MFSDP_ROLE_MUON;
+            q->rg = p->requires_grad;
+            q->w = calloc((size_t)p->numel, sizeof(double));
+            q->mom = calloc((size_t)p->numel, sizeof(double));
+            q->m = calloc((size_t)p->numel, sizeof(double));
+            q->v = calloc((size_t)p->numel, sizeof(double));
+            q->g = calloc((size_t)p->numel, sizeof(double));
+            for (int64_t e = 0; e < p->numel; e++) {
+                q->w[e] = get(W.w[g][i], p->dtype, (size_t)e);
+            }
+        }
+    }
+
+    int micro_total = 0;
+    int *calls_first = calloc(ng, sizeof(int));
+    for (int step = 0; step < nsteps; step++) {
+        for (int mi = 0; mi < tc->accum; mi++, micro_total++) {
+            /* Forward all-gathers (the lazy step of the previous iteration runs in the
+             * first), then backward reduces in reverse group order. */
+            for (size_t g = 0; g < ng; g++) {
+                size_t tot = LA[g].S * (size_t)g_world;
+                char *recv = malloc(tot + 1);
+                char *send = calloc(1, LA[g].S + 1);
+                build_shard(&LA[g], W.w[g], g_rank, send);
+                CHECK_OK(mfsdp_ctx_allgather(ctx, g, send, recv, LA[g].count, LA[g].wire));
+                free(recv);
+                free(send);
+            }
+            for (size_t gg = ng; gg-- > 0;) {
+                const lay_t *l = &LR[gg];
+                if (l->n == 0) {
+                    continue;
+                }
+                char *in = rs_input(m, gg, l, seed, g_rank, micro_total);
+                char *out = malloc(l->S + 1);
+                /* Eager: the reduce that closes the window runs the step inside; it must make
+                 * exactly the MPI calls of one that does not (no collective in the step). */
+                g_calls_total = g_calls_allreduce = 0;
+                g_counting = 1;
+                CHECK_OK(mfsdp_ctx_reduce(ctx, gg, in, out, l->count, l->wire, tc->op, sc));
+                g_counting = 0;
+                if (tc->mode == MFSDP_STEP_EAGER && tc->accum > 1) {
+                    if (mi == 0) {
+                        calls_first[gg] = g_calls_total;
+                    } else if (mi == tc->accum - 1) {
+                        CHECK(g_calls_total == calls_first[gg],
+                              "%s: group %zu reduce with eager step made %d MPI calls, without "
+                              "%d",
+                              what, gg, g_calls_total, calls_first[gg]);
+                    }
+                }
+                free(in);
+                free(out);
+                for (size_t k = 0; k < l->n; k++) {
+                    ref_param_t *q = &R[gg][l->idx[k]];
+                    for (int64_t e = 0; e < q->numel; e++) {
+                        q->g[e] += reduced_ref(l, seed, gg, l->idx[k], (size_t)e, tc->op, sc,
+                                               micro_total);
+                    }
+                }
+            }
+        }
+        /* Reference step. */
+        double coef = 1.0;
+        if (tc->clip > 0) {
+            double sq = 0;
+            for (size_t g = 0; g < ng; g++) {
+                for (size_t i = 0; i < m->groups[g].nparams; i++) {
+                    for (int64_t e = 0; e < R[g][i].numel; e++) {
+                        sq += R[g][i].g[e] * R[g][i].g[e];
+                    }
+                }
+            }
+            double c = tc->clip / (sqrt(sq) + 1e-6);
+            coef = c < 1.0 ? c : 1.0;
+        }
+        for (size_t g = 0; g < ng; g++) {
+            const mfsdp_group_desc_t *gd = &m->groups[g];
+            double lr = hp->lr * gd->lr_scale, alr = hp->adamw_lr * gd->lr_scale;
+            double wd = gd->has_weight_decay ? gd->weight_decay : hp->weight_decay;
+            double awd = gd->has_weight_decay ? gd->weight_decay : hp->adamw_weight_decay;
+            for (size_t i = 0; i < gd->nparams; i++) {
+                ref_param_t *q = &R[g][i];
+                if (!q->rg) {
+                    continue;
+                }
+                int64_t n = q->numel;
+                for (int64_t e = 0; e < n; e++) {
+                    q->g[e] *= coef;
+                }
+                if (q->muon) {
+                    double beta = hp->momentum;
+                    double *u = malloc(sizeof(double) * (size_t)n);
+                    for (int64_t e = 0; e < n; e++) {
+                        q->mom[e] = beta * q->mom[e] + (1 - beta) * q->g[e];
+                        u[e] = hp->nesterov ? (1 - beta) * q->g[e] + beta * q->mom[e] : q->mom[e];
+                    }
+                    ns_ref(u, q->rows, q->cols, hp->ns_steps);
+                    double s = q->rows > q->cols ? sqrt((double)q->rows / (double)q->cols) : 1.0;
+                    for (int64_t e = 0; e < n; e++) {
+                        q->w[e] = q->w[e] * (1 - lr * wd) - lr * s * u[e];
+                    }
+                    free(u);
+                } else {
+                    double b1 = hp->adamw_beta1, b2 = hp->adamw_beta2;
+                    double bc1 = 1 - pow(b1, step + 1), bc2 = 1 - pow(b2, step + 1);
+                    for (int64_t e = 0; e < n; e++) {
+                        q->m[e] = b1 * q->m[e] + (1 - b1) * q->g[e];
+                        q->v[e] = b2 * q->v[e] + (1 - b2) * q->g[e] * q->g[e];
+                        q->w[e] = q->w[e] * (1 - alr * awd) -
+                                  alr * (q->m[e] / bc1) / (sqrt(q->v[e] / bc2) + hp->adamw_eps);
+                    }
+                }
+                memset(q->g, 0, sizeof(double) * (size_t)n);
+            }
+        }
+    }
+    /* The last step is pending in a lazy context: flush it, counting MPI calls. */
+    g_calls_total = g_calls_allreduce = g_calls_wait = 0;
+    g_counting = 1;
+    mfsdp_status_t st = mfsdp_ctx_flush(ctx);
+    g_counting = 0;
+    CHECK(st == MFSDP_OK, "%s: flush: %s", what, mfsdp_status_string(st));
+    if (tc->mode == MFSDP_STEP_LAZY) {
+        int want = tc->clip > 0 ? 1 : 0;
+        CHECK(g_calls_total == want && g_calls_allreduce == want && g_calls_wait == 0,
+              "%s: step made %d MPI calls (%d all-reduces, %d waits), expected %d", what,
+              g_calls_total, g_calls_allreduce, g_calls_wait, want);
+    }
+    mfsdp_ctx_stats_t stats;
+    CHECK_OK(mfsdp_ctx_get_stats(ctx, &stats));
+    CHECK(stats.steps >= (uint64_t)nsteps, "%s: only %llu group steps", what,
+          (unsigned long long)stats.steps);
+    unsigned long long peak = stats.peak_bytes, maxpeak = 0;
+    PMPI_Reduce(&peak, &maxpeak, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, 0, MPI_COMM_WORLD);
+    if (g_rank == 0) {
+        printf("%s: peak context bytes per rank (arena + staging) %llu\n", what, maxpeak);
+    }
+
+    /* Compare masters with the reference. */
+    double worst = 0;
+    for (size_t g = 0; g < ng; g++) {
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            const mfsdp_param_desc_t *p = &m->groups[g].params[i];
+            ref_param_t *q = &R[g][i];
+            mfsdp_param_view_t v;
+            CHECK_OK(mfsdp_ctx_get_param(ctx, p->name, &v));
+            if (!v.local || v.master == NULL) {
+                continue;
+            }
+            double nref = 0, nd = 0;
+            for (int64_t e = 0; e < q->numel; e++) {
+                nref += q->w[e] * q->w[e];
+            }
+            for (size_t e = 0; e < v.local_valid; e++) {
+                double d = v.master[e] - q->w[v.local_offset + e];
+                nd += d * d;
+            }
+            double rel = sqrt(nd) / (sqrt(nref) + 1e-30);
+            worst = rel > worst ? rel : worst;
+            CHECK(rel <= 1e-5, "%s: %s differs from the reference by %.3g relative", what,
+                  p->name, rel);
+            if (!p->requires_grad) {
+                /* Frozen: exactly the initial weights. */
+                for (size_t e = 0; e < v.local_valid; e++) {
+                    double w0 = get(W.w[g][i], p->dtype, v.local_offset + e);
+                    if (v.master[e] != (float)w0) {
+                        CHECK(0, "%s: frozen %s changed", what, p->name);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    double gworst = 0;
+    PMPI_Allreduce(&worst, &gworst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    if (g_rank == 0) {
+        printf("%s: max relative error vs float64 reference %.3g\n", what, gworst);
+    }
+
+    /* After training the all-gather must still be exactly FSDP's layout of the owners'
+     * comm-dtype weights: rebuild full tensors from the owners and compare. */
+    for (size_t g = 0; g < ng; g++) {
+        void **full = calloc(m->groups[g].nparams, sizeof(void *));
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            const mfsdp_param_desc_t *p = &m->groups[g].params[i];
+            size_t elt = mfsdp_dtype_size(p->dtype);
+            mfsdp_param_view_t v;
+            CHECK_OK(mfsdp_ctx_get_param(ctx, p->name, &v));
+            full[i] = calloc((size_t)p->numel + 64, elt);
+            if (v.owner >= 0) {
+                if (v.owner == g_rank) {
+                    memcpy(full[i], v.comm, (size_t)p->numel * elt);
+                }
+                PMPI_Bcast(full[i], (int)((size_t)p->numel * elt), MPI_BYTE, v.owner,
+                           MPI_COMM_WORLD);
+            } else {
+                size_t sl = v.local_elems * elt;
+                char *all = malloc(sl * (size_t)g_world + 1);
+                PMPI_Allgather(v.comm, (int)sl, MPI_BYTE, all, (int)sl, MPI_BYTE, MPI_COMM_WORLD);
+                memcpy(full[i], all, (size_t)p->numel * elt);
+                free(all);
+            }
+        }
+        check_allgather(ctx, m, g, full, (int)g % 2, what);
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            free(full[i]);
+        }
+        free(full);
+    }
+
+    mfsdp_ctx_destroy(&ctx);
+    for (size_t g = 0; g < ng; g++) {
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            free(R[g][i].w);
+            free(R[g][i].mom);
+            free(R[g][i].m);
+            free(R[g][i].v);
+            free(R[g][i].g);
+        }
+        free(R[g]);
+    }
+    free(R);
+    free(calls_first);
+    free(LA);
+    free(LR);
+    free_weights(m, &W);
+    manifest_free(m);
+}
+
+/* ---------------------------------------------------------------------------------------
+ * 4. Errors: same status on every rank, clear messages, no hang
+ */
+static char g_captured[65536];
+
+/* Run fn with stderr redirected to a file; the text lands in g_captured. */
+static int capture_fd = -1, saved_fd = -1;
+static void capture_begin(void)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/tmp/mfsdp-test-runtime-%d-%d.log", (int)getpid(), g_rank);
+    fflush(stderr);
+    FILE *f = fopen(path, "w+");
+    unlink(path);
+    capture_fd = dup(fileno(f));
+    fclose(f);
+    saved_fd = dup(2);
+    dup2(capture_fd, 2);
+}
+static const char *capture_end(void)
+{
+    fflush(stderr);
+    dup2(saved_fd, 2);
+    close(saved_fd);
+    lseek(capture_fd, 0, SEEK_SET);
+    ssize_t n = read(capture_fd, g_captured, sizeof(g_captured) - 1);
+    g_captured[n > 0 ? n : 0] = '\0';
+    close(capture_fd);
+    return g_captured;
+}
+
+static void expect_status(mfsdp_status_t got, mfsdp_status_t want, const char *log,
+                          const char *needle, const char *what)
+{
+    CHECK(got == want, "%s: got %s, expected %s", what, mfsdp_status_string(got),
+          mfsdp_status_string(want));
+    CHECK(needle == NULL || strstr(log, needle) != NULL, "%s: log lacks '%s': %s", what, needle,
+          log);
+    int mine = (int)got, lo = 0, hi = 0;
+    PMPI_Allreduce(&mine, &lo, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    PMPI_Allreduce(&mine, &hi, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    CHECK(lo == hi, "%s: ranks disagree (%d..%d)", what, lo, hi);
+}
+
+static void test_errors(void)
+{
+    mfsdp_manifest_t *m = random_manifest(7);
+    mfsdp_status_t st;
+    const char *log;
+
+    /* Manifest world size differs from the communicator. */
+    m->world_size = g_world + 1;
+    mfsdp_ctx_h ctx = NULL;
+    capture_begin();
+    st = mfsdp_ctx_create_mpi(m, NULL, MPI_COMM_WORLD, &ctx);
+    log = capture_end();
+    expect_status(st, MFSDP_ERR_MISMATCH, log, "communicator has", "world size mismatch");
+    CHECK(ctx == NULL, "ctx written on failure");
+    m->world_size = g_world;
+
+    /* Eager step with clipping. */
+    capture_begin();
+    mfsdp_ctx_opts_t o;
+    memset(&o, 0, sizeof(o));
+    o.has_step_mode = 1;
+    o.step_mode = MFSDP_STEP_EAGER;
+    o.has_clip = 1;
+    o.clip = 1.0;
+    st = mfsdp_ctx_create_mpi(m, &o, MPI_COMM_WORLD, &ctx);
+    log = capture_end();
+    expect_status(st, MFSDP_ERR_INVALID_ARG, log, "lazy", "eager + clip");
+
+    /* Defaults come from the environment (set in main before the first call). */
+    st = mfsdp_ctx_create_mpi(m, NULL, MPI_COMM_WORLD, &ctx);
+    CHECK(st == MFSDP_OK, "create with defaults: %s", mfsdp_status_string(st));
+    if (st == MFSDP_OK) {
+        mfsdp_ctx_stats_t s;
+        CHECK_OK(mfsdp_ctx_get_stats(ctx, &s));
+        CHECK(s.gather_algo == MFSDP_ALGO_CHAIN && s.reduce_algo == MFSDP_ALGO_NATIVE,
+              "MFSDP_GATHER_ALGO/MFSDP_REDUCE_ALGO ignored: %d %d", (int)s.gather_algo,
+              (int)s.reduce_algo);
+        CHECK(s.step_mode == MFSDP_STEP_EAGER && s.accum_steps == 1 && s.world == g_world,
+              "defaults: mode %d accum %d world %d", (int)s.step_mode, s.accum_steps, s.world);
+        CHECK(s.peak_bytes >= s.staging_bytes, "peak %zu < staging %zu", s.peak_bytes,
+              s.staging_bytes);
+        mfsdp_ctx_destroy(&ctx);
+    }
+
+    ctx = make_ctx(m, MFSDP_TAIL_OWNER, MFSDP_ALGO_DIRECT, MFSDP_ALGO_DIRECT, MFSDP_STEP_LAZY, 1,
+                   0.0);
+    if (ctx == NULL) {
+        manifest_free(m);
+        return;
+    }
+    lay_t l, lr;
+    layout_of(&m->groups[0], 0, g_world, &l);
+    layout_of(&m->groups[0], 1, g_world, &lr);
+    char *buf = calloc((size_t)g_world + 1, l.S + lr.S + 16);
+    char *out = calloc(1, lr.S + 16);
+
+    capture_begin();
+    st = mfsdp_ctx_allgather(ctx, 0, buf, buf + l.S * (size_t)g_world, l.count + 1, l.wire);
+    log = capture_end();
+    expect_status(st, MFSDP_ERR_MISMATCH, log, "the plan expects", "allgather wrong count");
+
+    capture_begin();
+    st = mfsdp_ctx_allgather(ctx, 0, buf, buf + l.S * (size_t)g_world, l.count,
+                             l.wire == MFSDP_FLOAT16 ? MFSDP_FLOAT32 : MFSDP_FLOAT16);
+    log = capture_end();
+    expect_status(st, MFSDP_ERR_MISMATCH, log, "the plan expects", "allgather wrong dtype");
+
+    capture_begin();
+    st = mfsdp_ctx_allgather(ctx, m->ngroups, buf, buf, l.count, l.wire);
+    log = capture_end();
+    expect_status(st, MFSDP_ERR_INVALID_ARG, log, "out of range", "allgather bad group");
+
+    if (lr.n != 0) {
+        capture_begin();
+        st = mfsdp_ctx_reduce(ctx, 0, buf, out, lr.count + 3, lr.wire, MFSDP_OP_SUM, 1.0);
+        log = capture_end();
+        expect_status(st, MFSDP_ERR_MISMATCH, log, "the plan expects", "reduce wrong count");
+    }
+    capture_begin();
+    st = mfsdp_ctx_reduce(ctx, 0, buf, out, lr.count, lr.wire, (mfsdp_redop_t)9, 1.0);
+    log = capture_end();
+    expect_status(st, MFSDP_ERR_INVALID_ARG, log, "unknown reduction op", "reduce bad op");
+
+    capture_begin();
+    mfsdp_param_view_t v;
+    st = mfsdp_ctx_get_param(ctx, "no.such.param", &v);
+    log = capture_end();
+    expect_status(st, MFSDP_ERR_NOT_FOUND, log, "no.such.param", "unknown param");
+
+    mfsdp_ctx_destroy(&ctx);
+    CHECK(ctx == NULL, "destroy did not clear the handle");
+    capture_begin();
+    st = mfsdp_ctx_allgather(ctx, 0, buf, buf + l.S * (size_t)g_world, l.count, l.wire);
+    log = capture_end();
+    expect_status(st, MFSDP_ERR_STATE, log, "destroyed", "allgather after destroy");
+    capture_begin();
+    st = mfsdp_ctx_reduce(ctx, 0, buf, out, lr.count, lr.wire, MFSDP_OP_SUM, 1.0);
+    log = capture_end();
+    expect_status(st, MFSDP_ERR_STATE, log, "destroyed", "reduce after destroy");
+    capture_begin();
+    st = mfsdp_ctx_step(ctx);
+    log = capture_end();
+    expect_status(st, MFSDP_ERR_STATE, log, "destroyed", "step after destroy");
+    mfsdp_ctx_destroy(&ctx); /* harmless */
+
+    free(buf);
+    free(out);
+    manifest_free(m);
+}
+
+int main(int argc, char **argv)
+{
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &g_world);
+    setenv("MFSDP_MLOCK", "0", 0);
+    setenv("MFSDP_GATHER_ALGO", "chain", 1);
+    setenv("MFSDP_REDUCE_ALGO", "native", 1);
+    int nseeds = argc > 1 ? atoi(argv[1]) : 5;
+
+    test_errors();
+    for (int s = 0; s < nseeds; s++) {
+        test_allgather(1000 + (uint64_t)s);
+        test_reduce(2000 + (uint64_t)s);
+    }
+    static const train_cfg_t cfgs[] = {
+        {MFSDP_TAIL_OWNER, MFSDP_ALGO_DIRECT, MFSDP_ALGO_DIRECT, MFSDP_STEP_EAGER, 1, 0.0,
+         MFSDP_OP_AVG},
+        {MFSDP_TAIL_SHARD, MFSDP_ALGO_CHAIN, MFSDP_ALGO_CHAIN, MFSDP_STEP_LAZY, 2, 0.5,
+         MFSDP_OP_SUM},
+        {MFSDP_TAIL_OWNER, MFSDP_ALGO_NATIVE, MFSDP_ALGO_NATIVE, MFSDP_STEP_LAZY, 1, 0.0,
+         MFSDP_OP_PREMULSUM},
+        {MFSDP_TAIL_SHARD, MFSDP_ALGO_DIRECT, MFSDP_ALGO_NATIVE, MFSDP_STEP_EAGER, 2, 0.0,
+         MFSDP_OP_AVG},
+        {MFSDP_TAIL_OWNER, MFSDP_ALGO_CHAIN, MFSDP_ALGO_DIRECT, MFSDP_STEP_LAZY, 1, 2.0,
+         MFSDP_OP_AVG},
+    };
+    for (size_t c = 0; c < sizeof(cfgs) / sizeof(cfgs[0]); c++) {
+        test_train(3000 + c, &cfgs[c]);
+    }
+
+    int total = 0;
+    PMPI_Allreduce(&g_failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    if (g_rank == 0) {
+        printf("test_runtime: %d ranks, %d failures\n", g_world, total);
+    }
+    MPI_Finalize();
+    return total == 0 ? 0 : 1;
+}

@@ -1,0 +1,452 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * MPI transport. A group's op list is executed by one completion loop: every op without a
+ * dependency is posted at once (so all owner segments and the sharded-tail collective are
+ * in flight together), and each completion posts the ops that waited for it (chain
+ * forwarding). Nonblocking collectives (MPI_Ibcast/Ireduce/Iallgather/Ireduce_scatter_block)
+ * are posted in op-list order, which is the same on every rank.
+ */
+#include "transport/mpi.h"
+
+#include <limits.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "core/checks.h"
+
+typedef struct mpi_transport {
+    mfsdp_transport_t base;
+    MPI_Comm comm;
+} mpi_transport_t;
+
+/* Per-run state of the completion loop. */
+typedef struct engine {
+    mpi_transport_t *t;
+    const mfsdp_xfer_t *x;
+    MPI_Request *reqs;
+    long *child;   /* first op depending on op i, -1 */
+    long *sibling; /* next op with the same dependency, -1 */
+    int *idx;
+    size_t active;
+} engine_t;
+
+static void *seg_buf(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, size_t *elt_p)
+{
+    const mfsdp_xfer_bufs_t *b = &x->bufs[op->seg];
+    size_t elt = 1;
+    void *p = NULL;
+    if (x->dir == MFSDP_SCHED_DIR_REDUCE) {
+        elt = sizeof(float);
+    }
+    switch (op->buf) {
+    case MFSDP_BUF_SRC:
+        p = b->src;
+        if (x->dir == MFSDP_SCHED_DIR_REDUCE) {
+            elt = mfsdp_dtype_size(x->dtype);
+        }
+        break;
+    case MFSDP_BUF_STAGE:
+        p = b->stage;
+        if (x->dir == MFSDP_SCHED_DIR_REDUCE) {
+            elt = mfsdp_dtype_size(x->dtype);
+            if (p != NULL) {
+                p = (char *)p + (size_t)op->slot * x->gs->segs[op->seg].numel * elt;
+            }
+        }
+        break;
+    case MFSDP_BUF_PIN: p = b->pin; break;
+    case MFSDP_BUF_POUT: p = b->pout; break;
+    case MFSDP_BUF_FINAL: p = b->final; break;
+    }
+    *elt_p = elt;
+    return p;
+}
+
+static mfsdp_status_t post(engine_t *e, long i);
+
+static mfsdp_status_t post_children(engine_t *e, long i)
+{
+    for (long c = e->child[i]; c >= 0; c = e->sibling[c]) {
+        MFSDP_CHECK(post(e, c));
+    }
+    return MFSDP_OK;
+}
+
+/* One rank block's sharded-tail pieces inside FSDP's all-gather buffer as a datatype: the
+ * pieces at their offsets, extent one rank block, so that count 1 per rank addresses block
+ * r at r * S. */
+static mfsdp_status_t tail_block_type(const mfsdp_xfer_t *x, MPI_Datatype *type_p)
+{
+    const mfsdp_group_sched_t *gs = x->gs;
+    const mfsdp_buffer_layout_t *b = &gs->layout->ag;
+    int *len = malloc((gs->ntail + 1) * sizeof(*len));
+    MPI_Aint *disp = malloc((gs->ntail + 1) * sizeof(*disp));
+    mfsdp_status_t st = MFSDP_OK;
+    int nb = 0;
+    if (len == NULL || disp == NULL) {
+        st = MFSDP_ERR_NO_MEMORY;
+        goto out;
+    }
+    for (size_t k = 0; k < gs->ntail; k++) {
+        const mfsdp_param_layout_t *pe = &b->entries[gs->tail[k]];
+        size_t n = pe->s_bytes;
+        if (n > INT_MAX || b->bytes > (size_t)INT64_MAX) {
+            st = MFSDP_ERR_UNSUPPORTED;
+            goto out;
+        }
+        len[nb] = (int)n;
+        disp[nb] = (MPI_Aint)pe->o_bytes;
+        nb++;
+    }
+    MPI_Datatype pieces, block;
+    int rc = MPI_Type_create_hindexed(nb, len, disp, MPI_BYTE, &pieces);
+    if (rc == MPI_SUCCESS) {
+        rc = MPI_Type_create_resized(pieces, 0, (MPI_Aint)b->bytes, &block);
+        MPI_Type_free(&pieces);
+        if (rc == MPI_SUCCESS) {
+            rc = MPI_Type_commit(&block);
+            if (rc != MPI_SUCCESS) {
+                MPI_Type_free(&block);
+            }
+        }
+    }
+    if (rc != MPI_SUCCESS) {
+        MFSDP_WARN("building the sharded-tail datatype of group %zu failed (mpi error %d)",
+                   gs->group, rc);
+        st = MFSDP_ERR_TRANSPORT;
+        goto out;
+    }
+    *type_p = block;
+out:
+    free(len);
+    free(disp);
+    return st;
+}
+
+static mfsdp_status_t post_tail(engine_t *e, MPI_Request *req)
+{
+    const mfsdp_xfer_t *x = e->x;
+    int gather = x->dir == MFSDP_SCHED_DIR_GATHER;
+    if (x->tail_count > INT_MAX || x->tail_send == NULL ||
+        (!gather && x->tail_recv == NULL)) {
+        MFSDP_WARN("sharded tail of %zu units per rank: missing buffers or above INT_MAX",
+                   x->tail_count);
+        return MFSDP_ERR_UNSUPPORTED;
+    }
+    int cnt = (int)x->tail_count;
+    int rc;
+    if (gather && x->tail_recv != NULL) {
+        rc = MPI_Iallgather(x->tail_send, cnt, MPI_BYTE, x->tail_recv, cnt, MPI_BYTE, e->t->comm,
+                            req);
+    } else if (!gather) {
+        rc = MPI_Ireduce_scatter_block(x->tail_send, x->tail_recv, cnt, MPI_FLOAT, MPI_SUM,
+                                       e->t->comm, req);
+    } else {
+        /* Straight into the tail pieces of FSDP's all-gather output: no staging. */
+        MPI_Datatype t;
+        MFSDP_CHECK(tail_block_type(x, &t));
+        rc = MPI_Iallgather(x->tail_send, cnt, MPI_BYTE, x->ag_out, 1, t, e->t->comm, req);
+        MPI_Type_free(&t); /* pending communication keeps its own reference */
+    }
+    if (rc != MPI_SUCCESS) {
+        MFSDP_WARN("posting the sharded-tail collective of group %zu failed (mpi error %d)",
+                   x->gs->group, rc);
+        return MFSDP_ERR_TRANSPORT;
+    }
+    return MFSDP_OK;
+}
+
+/* Receive a whole owned tensor straight into its pieces of FSDP's all-gather output: an
+ * hindexed datatype of the real rows of every rank block (padding is zeroed by the
+ * runtime). The sender's contiguous copy has the same type signature (bytes). */
+static mfsdp_status_t post_into_fsdp(engine_t *e, const mfsdp_sched_op_t *op, MPI_Request *req)
+{
+    const mfsdp_xfer_t *x = e->x;
+    const mfsdp_sched_seg_t *s = &x->gs->segs[op->seg];
+    const mfsdp_buffer_layout_t *ag = &x->gs->layout->ag;
+    int n = e->t->base.world;
+    if (op->off != 0 || op->len != s->ag_bytes || s->ag_bytes > INT_MAX) {
+        MFSDP_WARN("segment %u: partial transfer into the all-gather output", op->seg);
+        return MFSDP_ERR_INTERNAL;
+    }
+    int *len = malloc((size_t)n * sizeof(*len));
+    MPI_Aint *disp = malloc((size_t)n * sizeof(*disp));
+    mfsdp_status_t st = MFSDP_OK;
+    int nb = 0;
+    if (len == NULL || disp == NULL) {
+        st = MFSDP_ERR_NO_MEMORY;
+        goto out;
+    }
+    for (int r = 0; r < n; r++) {
+        mfsdp_piece_t pc;
+        mfsdp_layout_piece(ag, n, s->param, r, &pc);
+        if (pc.valid != 0) {
+            len[nb] = (int)pc.valid;
+            disp[nb] = (MPI_Aint)pc.buf_offset;
+            nb++;
+        }
+    }
+    MPI_Datatype t;
+    int rc = MPI_Type_create_hindexed(nb, len, disp, MPI_BYTE, &t);
+    if (rc == MPI_SUCCESS) {
+        rc = MPI_Type_commit(&t);
+        if (rc == MPI_SUCCESS) {
+            if (op->kind == MFSDP_SCHED_RECV) {
+                rc = MPI_Irecv(x->ag_out, 1, t, op->peer, op->tag, e->t->comm, req);
+            } else {
+                rc = MPI_Ibcast(x->ag_out, 1, t, op->peer, e->t->comm, req);
+            }
+        }
+        /* Freeing a datatype does not affect communication already using it. */
+        MPI_Type_free(&t);
+    }
+    if (rc != MPI_SUCCESS) {
+        MFSDP_WARN("posting segment %u into the all-gather output failed (mpi error %d)",
+                   op->seg, rc);
+        st = MFSDP_ERR_TRANSPORT;
+    }
+out:
+    free(len);
+    free(disp);
+    return st;
+}
+
+/* Post op i (or run it, for a local op) and, for local ops, what waited for it. */
+static mfsdp_status_t post(engine_t *e, long i)
+{
+    const mfsdp_xfer_t *x = e->x;
+    const mfsdp_sched_op_t *op = &x->ops->ops[i];
+    MPI_Comm comm = e->t->comm;
+    int rank = e->t->base.rank;
+    MPI_Request *req = &e->reqs[i];
+    size_t elt;
+    char *p;
+
+    if (op->kind == MFSDP_SCHED_TAIL) {
+        MFSDP_CHECK(post_tail(e, req));
+        e->active++;
+        return MFSDP_OK;
+    }
+    if (op->kind == MFSDP_SCHED_APPLY || op->kind == MFSDP_SCHED_COPYOUT) {
+        MFSDP_CHECK(mfsdp_xfer_local(x, op, rank, e->t->base.world));
+        return post_children(e, i);
+    }
+    if (op->combine) {
+        MFSDP_CHECK(mfsdp_xfer_prepare(x, op));
+    }
+    if (x->dir == MFSDP_SCHED_DIR_GATHER && op->buf == MFSDP_BUF_STAGE &&
+        x->bufs[op->seg].stage == NULL && x->ag_out != NULL &&
+        (op->kind == MFSDP_SCHED_RECV || op->kind == MFSDP_SCHED_BCAST)) {
+        MFSDP_CHECK(post_into_fsdp(e, op, req));
+        e->active++;
+        return MFSDP_OK;
+    }
+    p = seg_buf(x, op, &elt);
+    if (p == NULL) {
+        MFSDP_WARN("segment %u: no buffer bound for op %ld", op->seg, i);
+        return MFSDP_ERR_INTERNAL;
+    }
+    p += op->boff * elt;
+    size_t bytes = op->len * elt;
+    if (bytes > INT_MAX) {
+        return MFSDP_ERR_INTERNAL; /* the schedule splits at MFSDP_SCHED_MAX_MSG */
+    }
+    switch (op->kind) {
+    case MFSDP_SCHED_SEND:
+        MFSDP_MPI_CHECK(MPI_Isend(p, (int)bytes, MPI_BYTE, op->peer, op->tag, comm, req));
+        break;
+    case MFSDP_SCHED_RECV:
+        MFSDP_MPI_CHECK(MPI_Irecv(p, (int)bytes, MPI_BYTE, op->peer, op->tag, comm, req));
+        break;
+    case MFSDP_SCHED_BCAST:
+        MFSDP_MPI_CHECK(MPI_Ibcast(p, (int)bytes, MPI_BYTE, op->peer, comm, req));
+        break;
+    case MFSDP_SCHED_REDUCE: {
+        float *fin = NULL;
+        if (rank == op->peer) {
+            fin = x->bufs[op->seg].final;
+            if (fin == NULL) {
+                return MFSDP_ERR_INTERNAL;
+            }
+            fin += op->boff;
+        }
+        MFSDP_MPI_CHECK(MPI_Ireduce(p, fin, (int)op->len, MPI_FLOAT, MPI_SUM, op->peer, comm,
+                                    req));
+        break;
+    }
+    default:
+        return MFSDP_ERR_INTERNAL;
+    }
+    e->active++;
+    return MFSDP_OK;
+}
+
+static mfsdp_status_t mpi_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
+{
+    mpi_transport_t *t = (mpi_transport_t *)tb;
+    MFSDP_CHECK_ARG(x != NULL && x->ops != NULL && x->gs != NULL);
+    size_t n = x->ops->nops;
+    if (n == 0) {
+        return MFSDP_OK;
+    }
+    if (n > INT_MAX) {
+        return MFSDP_ERR_UNSUPPORTED;
+    }
+    mfsdp_status_t st = MFSDP_OK;
+    engine_t e = {.t = t, .x = x};
+    e.reqs = malloc(n * sizeof(*e.reqs));
+    e.child = malloc(n * sizeof(*e.child));
+    e.sibling = malloc(n * sizeof(*e.sibling));
+    e.idx = malloc(n * sizeof(*e.idx));
+    if (e.reqs == NULL || e.child == NULL || e.sibling == NULL || e.idx == NULL) {
+        st = MFSDP_ERR_NO_MEMORY;
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        e.reqs[i] = MPI_REQUEST_NULL;
+        e.child[i] = -1;
+        e.sibling[i] = -1;
+    }
+    /* Children in reverse so that they are posted in op-list order. */
+    for (size_t k = n; k-- > 0;) {
+        long d = x->ops->ops[k].dep;
+        if (d >= 0) {
+            if ((size_t)d >= k) {
+                st = MFSDP_ERR_INTERNAL;
+                goto out;
+            }
+            e.sibling[k] = e.child[d];
+            e.child[d] = (long)k;
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (x->ops->ops[i].dep == -1) {
+            MFSDP_CHECK_GOTO(post(&e, (long)i), st, out_wait);
+        }
+    }
+    while (e.active > 0) {
+        int outcount = 0;
+        int rc = MPI_Waitsome((int)n, e.reqs, &outcount, e.idx, MPI_STATUSES_IGNORE);
+        if (rc != MPI_SUCCESS || outcount == MPI_UNDEFINED) {
+            MFSDP_WARN("waiting for the %zu ops of group %zu failed (mpi error %d)", n,
+                       x->gs->group, rc);
+            st = rc != MPI_SUCCESS ? MFSDP_ERR_TRANSPORT : MFSDP_ERR_INTERNAL;
+            goto out;
+        }
+        for (int k = 0; k < outcount; k++) {
+            e.active--;
+            MFSDP_CHECK_GOTO(post_children(&e, e.idx[k]), st, out_wait);
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (x->ops->ops[i].dep == MFSDP_SCHED_DEP_ALL) {
+            MFSDP_CHECK_GOTO(post(&e, (long)i), st, out);
+        }
+    }
+    goto out;
+out_wait:
+    /* Do not return while MPI still writes into the caller's buffers. */
+    MPI_Waitall((int)n, e.reqs, MPI_STATUSES_IGNORE);
+out:
+    free(e.reqs);
+    free(e.child);
+    free(e.sibling);
+    free(e.idx);
+    return st;
+}
+
+static mfsdp_status_t mpi_p2p(mfsdp_transport_t *tb, const mfsdp_p2p_t *v, size_t n)
+{
+    mpi_transport_t *t = (mpi_transport_t *)tb;
+    MFSDP_CHECK_ARG(n == 0 || v != NULL);
+    if (n == 0) {
+        return MFSDP_OK;
+    }
+    if (n > INT_MAX) {
+        return MFSDP_ERR_UNSUPPORTED;
+    }
+    MPI_Request *reqs = malloc(n * sizeof(*reqs));
+    if (reqs == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    mfsdp_status_t st = MFSDP_OK;
+    size_t posted = 0;
+    for (; posted < n; posted++) {
+        const mfsdp_p2p_t *p = &v[posted];
+        int rc;
+        if (p->bytes > INT_MAX) {
+            st = MFSDP_ERR_UNSUPPORTED;
+            break;
+        }
+        if (p->send) {
+            rc = MPI_Isend(p->buf, (int)p->bytes, MPI_BYTE, p->peer, p->tag, t->comm,
+                           &reqs[posted]);
+        } else {
+            rc = MPI_Irecv(p->buf, (int)p->bytes, MPI_BYTE, p->peer, p->tag, t->comm,
+                           &reqs[posted]);
+        }
+        if (rc != MPI_SUCCESS) {
+            MFSDP_WARN("point-to-point %s of %zu bytes with rank %d failed (mpi error %d)",
+                       p->send ? "send" : "receive", p->bytes, p->peer, rc);
+            st = MFSDP_ERR_TRANSPORT;
+            break;
+        }
+    }
+    if (MPI_Waitall((int)posted, reqs, MPI_STATUSES_IGNORE) != MPI_SUCCESS && st == MFSDP_OK) {
+        MFSDP_WARN("waiting for %zu point-to-point transfers failed", posted);
+        st = MFSDP_ERR_TRANSPORT;
+    }
+    free(reqs);
+    return st;
+}
+
+static mfsdp_status_t mpi_allreduce_sum(mfsdp_transport_t *tb, double *value)
+{
+    mpi_transport_t *t = (mpi_transport_t *)tb;
+    MFSDP_CHECK_ARG(value != NULL);
+    MFSDP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, value, 1, MPI_DOUBLE, MPI_SUM, t->comm));
+    return MFSDP_OK;
+}
+
+static void mpi_destroy(mfsdp_transport_t *tb)
+{
+    mpi_transport_t *t = (mpi_transport_t *)tb;
+    if (t == NULL) {
+        return;
+    }
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized && t->comm != MPI_COMM_NULL) {
+        MPI_Comm_free(&t->comm);
+    }
+    free(t);
+}
+
+static const mfsdp_transport_ops_t mpi_ops = {
+    .name = "mpi",
+    .run = mpi_run,
+    .p2p = mpi_p2p,
+    .allreduce_sum = mpi_allreduce_sum,
+    .destroy = mpi_destroy,
+};
+
+mfsdp_status_t mfsdp_transport_mpi_create(MPI_Comm comm, mfsdp_transport_t **t_p)
+{
+    MFSDP_CHECK_ARG(t_p != NULL && comm != MPI_COMM_NULL);
+    mpi_transport_t *t = calloc(1, sizeof(*t));
+    if (t == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    t->comm = MPI_COMM_NULL;
+    int rc = MPI_Comm_dup(comm, &t->comm);
+    if (rc != MPI_SUCCESS) {
+        MFSDP_WARN("MPI_Comm_dup failed (mpi error %d)", rc);
+        free(t);
+        return MFSDP_ERR_TRANSPORT;
+    }
+    MPI_Comm_rank(t->comm, &t->base.rank);
+    MPI_Comm_size(t->comm, &t->base.world);
+    t->base.ops = &mpi_ops;
+    *t_p = &t->base;
+    return MFSDP_OK;
+}

@@ -1,0 +1,98 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Transport interface (floor 4): moves the bytes of one group's schedule (core/schedule.h)
+ * between ranks and performs the fixed-order sums and casts that the reduce pipelines need
+ * (through kernels/). Every buffer is handed in by the runtime, which allocates them once
+ * in the owner arena; a transport keeps nothing long-lived besides its communicator.
+ *
+ * Implementations: MPI (transport/mpi.c, MPI_Isend/Irecv, MPI_Ibcast/Ireduce,
+ * MPI_Iallgather/Ireduce_scatter_block). NCCL comes later behind the same table.
+ */
+#ifndef MFSDP_TRANSPORT_TRANSPORT_H
+#define MFSDP_TRANSPORT_TRANSPORT_H
+
+#include "core/schedule.h"
+
+/* Buffers of one owner segment (see the table in core/schedule.h). Unused ones are NULL. */
+typedef struct mfsdp_xfer_bufs {
+    void *src;    /* gather: owner's comm copy; reduce (direct): own packed contribution;
+                     NULL for chain/native, which read x->rs_in in place */
+    void *stage;  /* gather (chain): received tensor, NULL to receive into x->ag_out;
+                     direct reduce (owner): world slots of numel */
+    float *pin;   /* chain reduce: partial sum received */
+    float *pout;  /* chain/native reduce: partial sum sent (own contribution added) */
+    float *final; /* chain/native reduce (owner): the full fp32 sum */
+    float *grad;  /* reduce (owner): fp32 gradient accumulator */
+} mfsdp_xfer_bufs_t;
+
+/* One execution of a group's op list. */
+typedef struct mfsdp_xfer {
+    mfsdp_sched_dir_t dir;
+    const mfsdp_group_sched_t *gs;
+    const mfsdp_sched_ops_t *ops;
+    mfsdp_xfer_bufs_t *bufs;   /* gs->nsegs entries */
+    mfsdp_dtype_t dtype;       /* reduce: dtype of contributions (the reduce dtype) */
+    mfsdp_redop_t op;          /* reduce: sum, avg or premulsum */
+    float scalar;              /* premulsum factor */
+    /* reduce: FSDP's reduce-scatter input; chain/native read contributions from it in place
+     * (segments whose bufs.src is NULL) */
+    const void *rs_in;
+    /* gather: FSDP's all-gather output; direct/native receive non-owned tensors straight
+     * into it (segments whose bufs.stage is NULL) */
+    void *ag_out;
+    /* The packed sharded tail (TAIL op). Gather: send tail_count bytes (own slices), receive
+     * world blocks of tail_count bytes into tail_recv, or, when it is NULL, straight into
+     * the tail pieces of ag_out. Reduce: send world blocks of tail_count fp32 (premul
+     * applied) and receive the tail_count-element fp32 sum. */
+    const void *tail_send;
+    void *tail_recv;
+    size_t tail_count;
+} mfsdp_xfer_t;
+
+/* One point-to-point transfer of a batch (all posted at once, one completion). */
+typedef struct mfsdp_p2p {
+    int send;      /* 1: send, 0: receive */
+    int peer;
+    int tag;
+    void *buf;
+    size_t bytes;
+} mfsdp_p2p_t;
+
+typedef struct mfsdp_transport mfsdp_transport_t;
+
+typedef struct mfsdp_transport_ops {
+    const char *name;
+    /* Execute a group's op list; returns when every op of this rank has completed. */
+    mfsdp_status_t (*run)(mfsdp_transport_t *t, const mfsdp_xfer_t *x);
+    /* Post a batch of point-to-point transfers and wait for all of them. */
+    mfsdp_status_t (*p2p)(mfsdp_transport_t *t, const mfsdp_p2p_t *v, size_t n);
+    /* Sum one double over all ranks in place (the clipping norm). */
+    mfsdp_status_t (*allreduce_sum)(mfsdp_transport_t *t, double *value);
+    void (*destroy)(mfsdp_transport_t *t);
+} mfsdp_transport_ops_t;
+
+struct mfsdp_transport {
+    const mfsdp_transport_ops_t *ops;
+    int rank;
+    int world;
+};
+
+/*
+ * Helpers shared by implementations (transport/reduce.c): the owner-side arithmetic of a
+ * reduce op list, identical whatever moves the bytes.
+ *   combine: pout[i] = (pin ? pin[i] : 0) + x[i] (times scalar for premulsum), in fp32;
+ *            with pin == NULL the first term is absent (not an addition of 0), so that
+ *            chain sums are bitwise those of mfsdp_cpu_reduce_ordered().
+ *   apply:   grad[i] += avg ? s[i] / world : s[i].
+ */
+mfsdp_status_t mfsdp_xfer_combine(float *pout, const float *pin, const void *x,
+                                  mfsdp_dtype_t dtype, size_t n, mfsdp_redop_t op, float scalar);
+mfsdp_status_t mfsdp_xfer_apply(float *grad, const float *s, size_t n, mfsdp_redop_t op,
+                                int world);
+/* Run the local (APPLY) op of a reduce list. */
+mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, int rank,
+                                int world);
+/* Fill POUT for a SEND/REDUCE op with combine set. */
+mfsdp_status_t mfsdp_xfer_prepare(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op);
+
+#endif /* MFSDP_TRANSPORT_TRANSPORT_H */
