@@ -43,6 +43,10 @@
     X(ENUM, MFSDP_REDUCE_ALGO, reduce_algo, "auto", "auto|direct|chain|native",               \
       "reduce-to-owner algorithm for the reduce-scatter")                                     \
     X(SIZE, MFSDP_CHAIN_CHUNK, chain_chunk, "1M", "", "chunk bytes of the chain pipeline")    \
+    X(STR, MFSDP_GRAD_DIVIDE, grad_divide, "1", "",                                           \
+      "factor the job divides reduce-scatter outputs by after the collective ('world' = the " \
+      "world size): an MPI job emulating avg with MPI_SUM and a post-divide, or FSDP2's fp16 "\
+      "post-divide; owners divide their reduced gradients by it")                             \
     X(BOOL, MFSDP_SPREAD, spread, "1", "",                                                    \
       "spread each group's matrices over ranks (avoid reduce incast on one owner)")           \
     X(DOUBLE, MFSDP_LR, lr, "", "0:", "override the manifest's Muon learning rate")          \
@@ -57,6 +61,9 @@
     X(BOOL, MFSDP_MLOCK, mlock, "1", "",                                                      \
       "page-lock CPU owner arenas (falls back with a warning when RLIMIT_MEMLOCK forbids)")   \
     X(BOOL, MFSDP_NUMA_BIND, numa_bind, "1", "", "bind CPU owner arenas to the rank's NUMA node") \
+    X(BOOL, MFSDP_REPORT, report, "0", "",                                                    \
+      "the shim prints one 'mfsdp report:' line per rank and communicator at exit (owner "    \
+      "step time, call counts, arena memory)")                                                \
     X(INT, MFSDP_THREADS, threads, "1", "1:1024", "BLAS threads per rank for CPU kernels")
 
 #define MFSDP_CFG_CTYPE_BOOL int
