@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The LD_PRELOAD shim on the unmodified job examples/fsdp_train (suite `preload`).
 
-  muon N         the job's own --optim adamw run under the shim (MPI or NCCL-API flavour)
+  muon N         the job's own --optim adamw run under the shim (MPI or NCCL-API flavour,
+                 eager or, with --env MFSDP_STEP=lazy, lazy steps; any algorithm)
                  ends with weights equal to the single-process full-matrix Muon + AdamW
                  reference (--reference --optim muon-gather --emulate-world N) within 1e-5
                  relative per tensor, and so do its loss traces.
@@ -77,6 +78,7 @@ def preload_vars(args, manifest=None, **extra):
         # MPI has no avg: the job divides MPI_SUM's output by the world size itself.
         v["MFSDP_GRAD_DIVIDE"] = "world"
     v.update(extra)
+    v.update(args.env)
     return v
 
 
@@ -187,7 +189,10 @@ def main():
     ap.add_argument("--nccl-exe")
     ap.add_argument("--preload", required=True)
     ap.add_argument("--plan", required=True)
+    ap.add_argument("--env", action="append", default=[],
+                    help="K=V passed to the ranks of shim runs (e.g. MFSDP_STEP=lazy)")
     args = ap.parse_args()
+    args.env = dict(kv.split("=", 1) for kv in args.env)
     if args.flavour == "nccl" and not args.nccl_exe:
         raise SystemExit("FAIL: fsdp_train_nccl was not built")
     with tempfile.TemporaryDirectory(prefix="mfsdp-shim-") as tmp:
