@@ -8,6 +8,7 @@
 #include "core/checks.h"
 #include "core/log.h"
 #include "kernels/cpu/cpu.h"
+#include "kernels/hparams.h"
 #include "mfsdp/kernels.h"
 
 mfsdp_status_t mfsdp_cpu_adamw_update(float *w, float *m, float *v, const float *g, void *w_comm,
@@ -19,18 +20,7 @@ mfsdp_status_t mfsdp_cpu_adamw_update(float *w, float *m, float *v, const float 
         MFSDP_WARN("adamw: %s", n == 0 ? "empty slice" : "null pointer");
         return MFSDP_ERR_INVALID_ARG;
     }
-    if (t < 1) {
-        MFSDP_WARN("adamw: step %lld, steps count from 1", (long long)t);
-        return MFSDP_ERR_INVALID_ARG;
-    }
-    if (!isfinite(hp->lr) || !isfinite(hp->weight_decay) || !(hp->eps >= 0.0f) ||
-        !isfinite(hp->eps) || !(hp->beta1 >= 0.0f && hp->beta1 < 1.0f) ||
-        !(hp->beta2 >= 0.0f && hp->beta2 < 1.0f)) {
-        MFSDP_WARN("adamw: bad hyper-parameters lr %g betas (%g, %g) eps %g weight_decay %g",
-                   (double)hp->lr, (double)hp->beta1, (double)hp->beta2, (double)hp->eps,
-                   (double)hp->weight_decay);
-        return MFSDP_ERR_INVALID_ARG;
-    }
+    MFSDP_CHECK(mfsdp_kernel_check_adamw_hp(hp, t));
     if (mfsdp_mul_overflow(n, sizeof(float), &bytes)) {
         MFSDP_WARN("adamw: %zu elements overflow", n);
         return MFSDP_ERR_OVERFLOW;

@@ -11,6 +11,7 @@
 #include "core/checks.h"
 #include "core/log.h"
 #include "kernels/cpu/cpu.h"
+#include "kernels/hparams.h"
 #include "mfsdp/kernels.h"
 
 float mfsdp_muon_scale(int64_t m, int64_t k, mfsdp_scale_t scale)
@@ -43,29 +44,6 @@ size_t mfsdp_muon_workspace_elems(int64_t m, int64_t k)
     return total;
 }
 
-static mfsdp_status_t muon_check_hp(const mfsdp_muon_hp_t *hp)
-{
-    if (hp == NULL) {
-        MFSDP_WARN("muon: null hyper-parameters");
-        return MFSDP_ERR_INVALID_ARG;
-    }
-    if (!isfinite(hp->lr) || !isfinite(hp->weight_decay) || !(hp->momentum >= 0.0f) ||
-        !(hp->momentum <= 1.0f)) {
-        MFSDP_WARN("muon: bad hyper-parameters lr %g momentum %g weight_decay %g", (double)hp->lr,
-                   (double)hp->momentum, (double)hp->weight_decay);
-        return MFSDP_ERR_INVALID_ARG;
-    }
-    if (hp->ns_steps < 0) {
-        MFSDP_WARN("muon: negative ns_steps %d", hp->ns_steps);
-        return MFSDP_ERR_INVALID_ARG;
-    }
-    if (hp->scale != MFSDP_SCALE_KELLER && hp->scale != MFSDP_SCALE_MOONLIGHT) {
-        MFSDP_WARN("muon: unknown scale rule %d", (int)hp->scale);
-        return MFSDP_ERR_INVALID_ARG;
-    }
-    return MFSDP_OK;
-}
-
 mfsdp_status_t mfsdp_cpu_muon_update(float *w, float *mom, const float *g, void *w_comm,
                                      mfsdp_dtype_t comm_dtype, int64_t m, int64_t k, size_t nsplit,
                                      const int64_t *split, const mfsdp_muon_hp_t *hp, float *ws,
@@ -81,7 +59,7 @@ mfsdp_status_t mfsdp_cpu_muon_update(float *w, float *mom, const float *g, void 
                                                   : "workspace");
         return MFSDP_ERR_INVALID_ARG;
     }
-    MFSDP_CHECK(muon_check_hp(hp));
+    MFSDP_CHECK(mfsdp_kernel_check_muon_hp(hp));
     MFSDP_CHECK(mfsdp_ns_check_dims(m, k, &n));
     MFSDP_CHECK(mfsdp_ns_split_need(m, k, nsplit, split, &ns_need));
     if (mfsdp_add_overflow(n, ns_need, &need)) {

@@ -28,6 +28,7 @@ extern "C" {
 #include "core/checks.h"
 #include "core/log.h"
 }
+#include "kernels/hparams.h"
 #include "mfsdp/kernels_cuda.h"
 
 #if !defined(CUDART_VERSION) || CUDART_VERSION < 12010

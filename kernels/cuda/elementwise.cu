@@ -315,17 +315,8 @@ extern "C" mfsdp_status_t mfsdp_cuda_adamw_update(mfsdp_cuda_ctx_t *ctx, float *
 {
     MFSDP_CHECK_ARG(ctx != NULL);
     MFSDP_CHECK_ARG(w != NULL && m != NULL && v != NULL && g != NULL);
-    MFSDP_CHECK_ARG(hp != NULL);
     MFSDP_CHECK_ARG(n > 0);
-    MFSDP_CHECK_ARG(t >= 1);
-    if (!isfinite(hp->lr) || !isfinite(hp->weight_decay) || !(hp->eps >= 0.0f) ||
-        !isfinite(hp->eps) || !(hp->beta1 >= 0.0f && hp->beta1 < 1.0f) ||
-        !(hp->beta2 >= 0.0f && hp->beta2 < 1.0f)) {
-        MFSDP_WARN("adamw: bad hyper-parameters lr %g betas (%g, %g) eps %g weight_decay %g",
-                   (double)hp->lr, (double)hp->beta1, (double)hp->beta2, (double)hp->eps,
-                   (double)hp->weight_decay);
-        return MFSDP_ERR_INVALID_ARG;
-    }
+    MFSDP_CHECK(mfsdp_kernel_check_adamw_hp(hp, t));
     if (w_comm != NULL && float_dtype_size(comm_dtype) == 0) {
         MFSDP_WARN("adamw comm dtype must be float32, bfloat16 or float16, not %s",
                    mfsdp_dtype_name(comm_dtype));

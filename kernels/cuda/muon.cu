@@ -111,23 +111,9 @@ static mfsdp_status_t muon_check(mfsdp_cuda_ctx_t *ctx, float *w, float *mom, co
     MFSDP_CHECK_ARG(ctx != NULL);
     MFSDP_CHECK_ARG(w != NULL && mom != NULL && g != NULL);
     MFSDP_CHECK_ARG(ws != NULL);
-    MFSDP_CHECK_ARG(hp != NULL);
     MFSDP_CHECK_ARG(m > 0 && k > 0);
     MFSDP_CHECK_ARG(nsplit == 0 || split != NULL);
-    if (!isfinite(hp->lr) || !isfinite(hp->weight_decay) || !(hp->momentum >= 0.0f) ||
-        !(hp->momentum <= 1.0f)) {
-        MFSDP_WARN("muon: bad hyper-parameters lr %g momentum %g weight_decay %g", (double)hp->lr,
-                   (double)hp->momentum, (double)hp->weight_decay);
-        return MFSDP_ERR_INVALID_ARG;
-    }
-    if (hp->ns_steps < 0) {
-        MFSDP_WARN("muon: negative ns_steps %d", hp->ns_steps);
-        return MFSDP_ERR_INVALID_ARG;
-    }
-    if (hp->scale != MFSDP_SCALE_KELLER && hp->scale != MFSDP_SCALE_MOONLIGHT) {
-        MFSDP_WARN("muon: unknown scale rule %d", (int)hp->scale);
-        return MFSDP_ERR_INVALID_ARG;
-    }
+    MFSDP_CHECK(mfsdp_kernel_check_muon_hp(hp));
     if (w_comm != NULL && float_dtype_size(comm_dtype) == 0) {
         MFSDP_WARN("muon: comm dtype must be float32, bfloat16 or float16, not %s",
                    mfsdp_dtype_name(comm_dtype));
