@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "alloc/arena.h"
+#include "tests/unit/manifest_util.h"
 #include "core/log.h"
 #include "mfsdp/plan.h"
 
@@ -48,14 +49,8 @@ static mfsdp_manifest_t *small_manifest(void)
     };
     for (int i = 0; i < 3; i++) {
         mfsdp_param_desc_t *p = &g->params[i];
-        p->name = (char *)spec[i].name;
-        p->ndim = spec[i].ndim;
-        p->shape[0] = spec[i].r;
-        p->shape[1] = spec[i].c;
-        p->numel = spec[i].r * spec[i].c;
-        p->dtype = spec[i].dt;
-        p->optimizer = spec[i].role;
-        p->requires_grad = spec[i].rg;
+        test_param_fill(p, spec[i].name, spec[i].ndim, spec[i].r, spec[i].c, spec[i].dt,
+                        spec[i].role, spec[i].rg);
     }
     return m;
 }

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tests/unit/manifest_util.h"
 #include "core/schedule.h"
 
 static mfsdp_manifest_t *make_manifest(void)
@@ -48,14 +49,8 @@ static mfsdp_manifest_t *make_manifest(void)
     for (size_t i = 0; i < sizeof(spec) / sizeof(spec[0]); i++) {
         mfsdp_group_desc_t *g = &m->groups[spec[i].group];
         mfsdp_param_desc_t *p = &g->params[g->nparams++];
-        p->name = (char *)spec[i].name;
-        p->ndim = spec[i].ndim;
-        p->shape[0] = spec[i].r;
-        p->shape[1] = spec[i].c;
-        p->numel = spec[i].r * spec[i].c;
-        p->dtype = spec[i].dt;
-        p->optimizer = spec[i].role;
-        p->requires_grad = spec[i].rg;
+        test_param_fill(p, spec[i].name, spec[i].ndim, spec[i].r, spec[i].c, spec[i].dt,
+                        spec[i].role, spec[i].rg);
     }
     return m;
 }
