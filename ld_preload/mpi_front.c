@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * MPI front-end of the shim: MPI_Allgather, MPI_Reduce_scatter_block and MPI_Reduce_scatter
- * (equal counts) over PMPI, MPI_Finalize to flush. This is the one file that converts
+ * (equal counts) over PMPI; MPI_Comm_free and MPI_Finalize to flush and forget state. This is the one file that converts
  * mfsdp statuses into MPI error codes: a failed remap calls the communicator's error
  * handler (MPI_ERRORS_ARE_FATAL by default, so the job stops with a non-zero exit).
  */
@@ -136,6 +136,15 @@ SHIM_EXPORT int MPI_Reduce_scatter(const void *sendbuf, void *recvbuf, const int
         }
     }
     return PMPI_Reduce_scatter(sendbuf, recvbuf, recvcounts, datatype, op, comm);
+}
+
+/* A freed handle may be reused by the next communicator: forget (and flush) its state. */
+SHIM_EXPORT int MPI_Comm_free(MPI_Comm *comm)
+{
+    if (!shim_inside && comm != NULL && *comm != MPI_COMM_NULL) {
+        shim_comm_remove(shim_comm_find(SHIM_MPI, *comm));
+    }
+    return PMPI_Comm_free(comm);
 }
 
 SHIM_EXPORT int MPI_Finalize(void)

@@ -192,9 +192,11 @@ static uint64_t id_hash(const ncclUniqueId *id)
     return h;
 }
 
-/* Track a new comm. Its MPI twin is a split of parent (MPI_COMM_WORLD for InitRank) keyed
- * by the NCCL rank; every rank of parent takes part, as every rank creates the comm. */
-static void track(ncclComm_t comm, MPI_Comm parent, int color)
+/* Track a new comm. Its MPI twin is a split of parent keyed by the NCCL rank. The split is
+ * collective over parent, so it is only done where every rank of parent is known to create
+ * the comm at the same point: an InitRank comm that spans MPI_COMM_WORLD, or an
+ * ncclCommSplit (collective over its parent by NCCL's rules). Other comms pass through. */
+static void track(ncclComm_t comm, MPI_Comm parent, int color, int from_init)
 {
     int inited = 0, finalized = 0;
     MPI_Initialized(&inited);
@@ -214,6 +216,13 @@ static void track(ncclComm_t comm, MPI_Comm parent, int color)
         }
         return;
     }
+    int world = 0;
+    PMPI_Comm_size(MPI_COMM_WORLD, &world);
+    if (from_init && size != world) {
+        MFSDP_INFO(SHIM, "nccl comm of size %d does not span MPI_COMM_WORLD (%d): pass-through",
+                   size, world);
+        return;
+    }
     MPI_Comm mpi = MPI_COMM_NULL;
     if (PMPI_Comm_split(parent, color & 0x7fffffff, rank, &mpi) != MPI_SUCCESS) {
         MFSDP_WARN("nccl front-end: MPI_Comm_split for a new communicator failed");
@@ -231,7 +240,7 @@ SHIM_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniq
     }
     ncclResult_t r = f(comm, nranks, id, rank);
     if (r == ncclSuccess && !shim_inside) {
-        track(*comm, MPI_COMM_WORLD, (int)(id_hash(&id) & 0x7fffffff));
+        track(*comm, MPI_COMM_WORLD, (int)(id_hash(&id) & 0x7fffffff), 1);
     }
     return r;
 }
@@ -245,7 +254,7 @@ SHIM_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, nc
     }
     ncclResult_t r = f(comm, nranks, id, rank, config);
     if (r == ncclSuccess && !shim_inside) {
-        track(*comm, MPI_COMM_WORLD, (int)(id_hash(&id) & 0x7fffffff));
+        track(*comm, MPI_COMM_WORLD, (int)(id_hash(&id) & 0x7fffffff), 1);
     }
     return r;
 }
@@ -260,7 +269,7 @@ SHIM_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, nccl
     ncclResult_t r = f(comm, color, key, newcomm, config);
     shim_comm_t *parent = shim_comm_find(SHIM_NCCL, comm);
     if (r == ncclSuccess && !shim_inside && parent != NULL && *newcomm != NULL) {
-        track(*newcomm, parent->mpi, color < 0 ? 0 : color);
+        track(*newcomm, parent->mpi, color < 0 ? 0 : color, 0);
     } else if (r == ncclSuccess && parent != NULL && *newcomm == NULL) {
         MPI_Comm unused = MPI_COMM_NULL; /* ranks with NCCL_SPLIT_NOCOLOR still take part */
         PMPI_Comm_split(parent->mpi, MPI_UNDEFINED, key, &unused);
