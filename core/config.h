@@ -64,7 +64,9 @@
     X(BOOL, MFSDP_REPORT, report, "0", "",                                                    \
       "the shim prints one 'mfsdp report:' line per rank and communicator at exit (owner "    \
       "step time, call counts, arena memory)")                                                \
-    X(INT, MFSDP_THREADS, threads, "1", "1:1024", "BLAS threads per rank for CPU kernels")
+    X(INT, MFSDP_THREADS, threads, "", "1:1024",                                               \
+      "BLAS threads of the process, set when a context is created (unset: leave OpenBLAS's "  \
+      "own setting, e.g. OPENBLAS_NUM_THREADS=1 with one rank per core)")
 
 #define MFSDP_CFG_CTYPE_BOOL int
 #define MFSDP_CFG_CTYPE_INT long

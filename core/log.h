@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Logging in NCCL's format: "host:pid:tid mfsdp INFO <subsys> message". Level from
- * MFSDP_DEBUG (WARN|INFO|TRACE, default WARN... set to VERSION or NONE to silence),
+ * MFSDP_DEBUG (WARN|INFO|TRACE, default WARN; NONE or VERSION silences warnings too),
  * subsystems from MFSDP_DEBUG_SUBSYS (comma list, ^ negates), sink from MFSDP_DEBUG_FILE
  * (%h host, %p pid). Messages are lowercase; use %m after a failed system call.
  */

@@ -12,6 +12,7 @@
 
 #include "core/checks.h"
 #include "core/config.h"
+#include "kernels/cpu/gemm.h"
 #include "mfsdp/kernels.h"
 #include "runtime/ctx.h"
 
@@ -270,6 +271,9 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
         return MFSDP_ERR_INVALID_ARG;
     }
     ctx->accum = opts->accum_steps > 0 ? opts->accum_steps : (int)cfg->accum_steps;
+    if (cfg->threads_set) {
+        mfsdp_gemm_set_threads((int)cfg->threads); /* MFSDP_THREADS: process-wide BLAS */
+    }
     ctx->clip = opts->has_clip ? opts->clip : cfg->clip;
     if (!(ctx->clip >= 0.0) || !isfinite(ctx->clip)) {
         MFSDP_WARN("clipping threshold %g must be finite and >= 0", ctx->clip);

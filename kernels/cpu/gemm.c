@@ -45,6 +45,13 @@ const char *mfsdp_gemm_backend(void)
     return backend_desc;
 }
 
+void mfsdp_gemm_set_threads(int threads)
+{
+    if (threads >= 1) {
+        openblas_set_num_threads(threads);
+    }
+}
+
 #else /* !MFSDP_HAVE_BLAS */
 
 /* Block sizes of the portable kernel: a KB x NB tile of op(B) (64 KiB, on the stack: no
@@ -125,6 +132,11 @@ void mfsdp_gemm_ssyrk_upper(mfsdp_gemm_op_t opa, size_t n, size_t kk, float alph
 const char *mfsdp_gemm_backend(void)
 {
     return "portable";
+}
+
+void mfsdp_gemm_set_threads(int threads)
+{
+    (void)threads;
 }
 
 #endif /* MFSDP_HAVE_BLAS */

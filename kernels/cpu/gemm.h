@@ -35,4 +35,8 @@ void mfsdp_gemm_ssyrk_upper(mfsdp_gemm_op_t opa, size_t n, size_t kk, float alph
 /* Which implementation is compiled in ("cblas (OpenBLAS <config>)" or "portable"). */
 const char *mfsdp_gemm_backend(void);
 
+/* Set the BLAS thread count of this process (MFSDP_THREADS); no-op for the portable GEMM,
+ * which is single-threaded. */
+void mfsdp_gemm_set_threads(int threads);
+
 #endif /* MFSDP_KERNELS_CPU_GEMM_H */
