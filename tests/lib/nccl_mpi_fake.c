@@ -991,43 +991,36 @@ FAKE_EXPORT ncclResult_t pncclCommAbort(ncclComm_t comm)
 }
 FAKE_ALIAS(ncclCommAbort);
 
-FAKE_EXPORT ncclResult_t pncclCommCount(const ncclComm_t comm, int *count)
+/* The integer queries: validate, then write one field (what names it in messages). */
+static ncclResult_t comm_query(const ncclComm_t comm, int *out, const char *fn, const char *what,
+                               int value_if_ok)
 {
-    ncclResult_t res = check_comm(comm, "ncclCommCount");
-    if (res == ncclSuccess && count == NULL) {
-        fake_warn("ncclCommCount: count is NULL");
+    ncclResult_t res = check_comm(comm, fn);
+    if (res == ncclSuccess && out == NULL) {
+        fake_warn("%s: %s is NULL", fn, what);
         res = ncclInvalidArgument;
     }
     if (res == ncclSuccess)
-        *count = comm->nranks;
+        *out = value_if_ok;
     return res;
+}
+
+FAKE_EXPORT ncclResult_t pncclCommCount(const ncclComm_t comm, int *count)
+{
+    return comm_query(comm, count, "ncclCommCount", "count", comm ? comm->nranks : 0);
 }
 FAKE_ALIAS(ncclCommCount);
 
 FAKE_EXPORT ncclResult_t pncclCommUserRank(const ncclComm_t comm, int *rank)
 {
-    ncclResult_t res = check_comm(comm, "ncclCommUserRank");
-    if (res == ncclSuccess && rank == NULL) {
-        fake_warn("ncclCommUserRank: rank is NULL");
-        res = ncclInvalidArgument;
-    }
-    if (res == ncclSuccess)
-        *rank = comm->rank;
-    return res;
+    return comm_query(comm, rank, "ncclCommUserRank", "rank", comm ? comm->rank : 0);
 }
 FAKE_ALIAS(ncclCommUserRank);
 
 /* There is no GPU behind a fake communicator; device 0 keeps callers' bookkeeping simple. */
 FAKE_EXPORT ncclResult_t pncclCommCuDevice(const ncclComm_t comm, int *device)
 {
-    ncclResult_t res = check_comm(comm, "ncclCommCuDevice");
-    if (res == ncclSuccess && device == NULL) {
-        fake_warn("ncclCommCuDevice: device is NULL");
-        res = ncclInvalidArgument;
-    }
-    if (res == ncclSuccess)
-        *device = 0;
-    return res;
+    return comm_query(comm, device, "ncclCommCuDevice", "device", 0);
 }
 FAKE_ALIAS(ncclCommCuDevice);
 
