@@ -462,6 +462,47 @@ static mfsdp_status_t parse_split(parse_ctx_t *ctx, json_t *v, const char *kp,
     return MFSDP_OK;
 }
 
+/* The "name" key of a param or group object: a non-empty string not seen before in table.
+ * The name is recorded in table with value (stolen: a param's path string, or a group's
+ * index, which the sequence parser looks up) and copied to *name_p. A duplicate names
+ * where the first one stands. */
+static mfsdp_status_t take_name(parse_ctx_t *ctx, json_t *o, const char *path, const char *what,
+                                json_t *table, json_t *value, char *kp, char **name_p)
+{
+    json_t *v = NULL;
+    const char *name = NULL;
+    mfsdp_status_t st = get_key(ctx, o, path, "name", 1, "a non-empty string", &v, kp);
+    if (st == MFSDP_OK) {
+        st = want_name(ctx, v, kp, &name);
+    }
+    if (st != MFSDP_OK) {
+        json_decref(value);
+        return st;
+    }
+    json_t *first = json_object_get(table, name);
+    if (first != NULL) {
+        char shown[SHOW_LEN], where[PATH_LEN];
+        show(shown, sizeof(shown), name);
+        if (json_is_integer(first)) {
+            snprintf(where, sizeof(where), "groups[%" JSON_INTEGER_FORMAT "]",
+                     json_integer_value(first));
+        } else {
+            snprintf(where, sizeof(where), "%s", json_string_value(first));
+        }
+        json_decref(value);
+        return fail(ctx, MFSDP_ERR_PARSE, kp, "duplicate %s name \"%s\" (first at %s)", what,
+                    shown, where);
+    }
+    if (value == NULL || json_object_set_new(table, name, value) != 0) {
+        return fail(ctx, MFSDP_ERR_NO_MEMORY, kp, "out of memory");
+    }
+    *name_p = strdup(name);
+    if (*name_p == NULL) {
+        return fail(ctx, MFSDP_ERR_NO_MEMORY, kp, "out of memory");
+    }
+    return MFSDP_OK;
+}
+
 static mfsdp_status_t parse_param(parse_ctx_t *ctx, json_t *o, const char *path,
                                   mfsdp_param_desc_t *p)
 {
@@ -469,26 +510,11 @@ static mfsdp_status_t parse_param(parse_ctx_t *ctx, json_t *o, const char *path,
                                        "requires_grad", "split", "shard_dim"};
     char kp[PATH_LEN];
     json_t *v;
-    const char *name;
     MFSDP_CHECK(want_object(ctx, o, path));
     MFSDP_CHECK(check_keys(ctx, o, path, keys, sizeof(keys) / sizeof(keys[0])));
 
-    MFSDP_CHECK(get_key(ctx, o, path, "name", 1, "a non-empty string", &v, kp));
-    MFSDP_CHECK(want_name(ctx, v, kp, &name));
-    json_t *first = json_object_get(ctx->param_names, name);
-    if (first != NULL) {
-        char shown[SHOW_LEN];
-        show(shown, sizeof(shown), name);
-        return fail(ctx, MFSDP_ERR_PARSE, kp, "duplicate param name \"%s\" (first at %s)", shown,
-                    json_string_value(first));
-    }
-    if (json_object_set_new(ctx->param_names, name, json_string(path)) != 0) {
-        return fail(ctx, MFSDP_ERR_NO_MEMORY, kp, "out of memory");
-    }
-    p->name = strdup(name);
-    if (p->name == NULL) {
-        return fail(ctx, MFSDP_ERR_NO_MEMORY, kp, "out of memory");
-    }
+    MFSDP_CHECK(take_name(ctx, o, path, "param", ctx->param_names, json_string(path), kp,
+                          &p->name));
 
     MFSDP_CHECK(
         get_key(ctx, o, path, "shape", 1, "a non-empty array of positive integers", &v, kp));
@@ -547,27 +573,11 @@ static mfsdp_status_t parse_group(parse_ctx_t *ctx, json_t *o, const char *path,
                                        "params"};
     char kp[PATH_LEN];
     json_t *v;
-    const char *name;
     MFSDP_CHECK(want_object(ctx, o, path));
     MFSDP_CHECK(check_keys(ctx, o, path, keys, sizeof(keys) / sizeof(keys[0])));
 
-    MFSDP_CHECK(get_key(ctx, o, path, "name", 1, "a non-empty string", &v, kp));
-    MFSDP_CHECK(want_name(ctx, v, kp, &name));
-    json_t *first = json_object_get(ctx->group_names, name);
-    if (first != NULL) {
-        char shown[SHOW_LEN];
-        show(shown, sizeof(shown), name);
-        return fail(ctx, MFSDP_ERR_PARSE, kp,
-                    "duplicate group name \"%s\" (first at groups[%" JSON_INTEGER_FORMAT "])",
-                    shown, json_integer_value(first));
-    }
-    if (json_object_set_new(ctx->group_names, name, json_integer((json_int_t)gi)) != 0) {
-        return fail(ctx, MFSDP_ERR_NO_MEMORY, kp, "out of memory");
-    }
-    g->name = strdup(name);
-    if (g->name == NULL) {
-        return fail(ctx, MFSDP_ERR_NO_MEMORY, kp, "out of memory");
-    }
+    MFSDP_CHECK(take_name(ctx, o, path, "group", ctx->group_names,
+                          json_integer((json_int_t)gi), kp, &g->name));
 
     MFSDP_CHECK(get_key(ctx, o, path, "reduce_dtype", 0, NULL, &v, kp));
     g->has_reduce_dtype = v != NULL;
