@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "core/log.h"
+#include "tests/lib/ns_ref.h"
 #include "mfsdp/kernels.h"
 #include "mfsdp/kernels_cuda.h"
 
@@ -561,72 +562,13 @@ static void test_pack(void)
 
 /* ------------------------------------------------------------------ Newton-Schulz */
 
-/* float64 Newton-Schulz of the fp32 input, the formula of DESIGN.md section 5. */
+/* float64 Newton-Schulz of the fp32 input (tests/lib/ns_ref.h). */
 static void ns_ref(const float *x, int64_t m, int64_t k, int steps, double *out)
 {
-    const int64_t s = m < k ? m : k, l = m < k ? k : m;
-    double *y = xmalloc((size_t)(s * l) * sizeof(double));
-    double *yn = xmalloc((size_t)(s * l) * sizeof(double));
-    double *a = xmalloc((size_t)(s * s) * sizeof(double));
-    double *b = xmalloc((size_t)(s * s) * sizeof(double));
-    double nrm = 0.0;
-    for (int64_t i = 0; i < s; i++) {
-        for (int64_t j = 0; j < l; j++) {
-            const double v = m <= k ? x[i * k + j] : x[j * k + i];
-            y[i * l + j] = v;
-            nrm += v * v;
-        }
+    for (int64_t i = 0; i < m * k; i++) {
+        out[i] = x[i];
     }
-    nrm = sqrt(nrm) + (double)MFSDP_NS_EPS;
-    for (int64_t i = 0; i < s * l; i++) {
-        y[i] /= nrm;
-    }
-    for (int it = 0; it < steps; it++) {
-        for (int64_t i = 0; i < s; i++) {
-            for (int64_t j = 0; j < s; j++) {
-                double acc = 0.0;
-                for (int64_t t = 0; t < l; t++) {
-                    acc += y[i * l + t] * y[j * l + t];
-                }
-                a[i * s + j] = acc;
-            }
-        }
-        for (int64_t i = 0; i < s; i++) {
-            for (int64_t j = 0; j < s; j++) {
-                b[i * s + j] = (double)MFSDP_NS_B * a[i * s + j];
-            }
-            for (int64_t t = 0; t < s; t++) {
-                const double c = (double)MFSDP_NS_C * a[i * s + t];
-                for (int64_t j = 0; j < s; j++) {
-                    b[i * s + j] += c * a[t * s + j];
-                }
-            }
-        }
-        for (int64_t i = 0; i < s; i++) {
-            for (int64_t j = 0; j < l; j++) {
-                yn[i * l + j] = (double)MFSDP_NS_A * y[i * l + j];
-            }
-            for (int64_t t = 0; t < s; t++) {
-                const double c = b[i * s + t];
-                for (int64_t j = 0; j < l; j++) {
-                    yn[i * l + j] += c * y[t * l + j];
-                }
-            }
-        }
-        double *tmp = y;
-        y = yn;
-        yn = tmp;
-    }
-    for (int64_t i = 0; i < s; i++) {
-        for (int64_t j = 0; j < l; j++) {
-            if (m <= k) {
-                out[i * k + j] = y[i * l + j];
-            } else {
-                out[j * k + i] = y[i * l + j];
-            }
-        }
-    }
-    free(y), free(yn), free(a), free(b);
+    ns_ref_f64(out, m, k, steps, out);
 }
 
 /*

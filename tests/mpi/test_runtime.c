@@ -28,6 +28,7 @@
 
 #include "mfsdp/kernels.h"
 #include "mfsdp/runtime_mpi.h"
+#include "tests/lib/ns_ref.h"
 
 static int g_rank, g_world;
 static int g_failures;
@@ -686,71 +687,10 @@ typedef struct ref_param {
     int muon, rg;
 } ref_param_t;
 
+/* Newton-Schulz in float64, in place (tests/lib/ns_ref.h). */
 static void ns_ref(double *x, int64_t m, int64_t k, int steps)
 {
-    /* X (m x k); transpose when m > k so that A = X X^T is the small Gram matrix. */
-    int tr = m > k;
-    int64_t r = tr ? k : m, c = tr ? m : k;
-    double *X = malloc(sizeof(double) * (size_t)(r * c));
-    double *A = malloc(sizeof(double) * (size_t)(r * r));
-    double *B = malloc(sizeof(double) * (size_t)(r * r));
-    double *Y = malloc(sizeof(double) * (size_t)(r * c));
-    double nrm = 0;
-    for (int64_t i = 0; i < m; i++) {
-        for (int64_t j = 0; j < k; j++) {
-            double v = x[i * k + j];
-            if (tr) {
-                X[j * c + i] = v;
-            } else {
-                X[i * c + j] = v;
-            }
-            nrm += v * v;
-        }
-    }
-    nrm = sqrt(nrm) + 1e-7;
-    for (int64_t i = 0; i < r * c; i++) {
-        X[i] /= nrm;
-    }
-    const double a = 3.4445, b = -4.7750, cc = 2.0315;
-    for (int s = 0; s < steps; s++) {
-        for (int64_t i = 0; i < r; i++) {
-            for (int64_t j = 0; j < r; j++) {
-                double acc = 0;
-                for (int64_t t = 0; t < c; t++) {
-                    acc += X[i * c + t] * X[j * c + t];
-                }
-                A[i * r + j] = acc;
-            }
-        }
-        for (int64_t i = 0; i < r; i++) {
-            for (int64_t j = 0; j < r; j++) {
-                double acc = 0;
-                for (int64_t t = 0; t < r; t++) {
-                    acc += A[i * r + t] * A[t * r + j];
-                }
-                B[i * r + j] = b * A[i * r + j] + cc * acc;
-            }
-        }
-        for (int64_t i = 0; i < r; i++) {
-            for (int64_t j = 0; j < c; j++) {
-                double acc = 0;
-                for (int64_t t = 0; t < r; t++) {
-                    acc += B[i * r + t] * X[t * c + j];
-                }
-                Y[i * c + j] = a * X[i * c + j] + acc;
-            }
-        }
-        memcpy(X, Y, sizeof(double) * (size_t)(r * c));
-    }
-    for (int64_t i = 0; i < m; i++) {
-        for (int64_t j = 0; j < k; j++) {
-            x[i * k + j] = tr ? X[j * c + i] : X[i * c + j];
-        }
-    }
-    free(X);
-    free(A);
-    free(B);
-    free(Y);
+    ns_ref_f64(x, m, k, steps, x);
 }
 
 typedef struct train_cfg {

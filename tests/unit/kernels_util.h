@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "core/log.h"
+#include "tests/lib/ns_ref.h"
 
 typedef struct test_rng {
     uint64_t s;
@@ -158,79 +159,10 @@ static inline const char *log_since(long mark)
         cr_expect(strstr(_log, (msg)) != NULL, "%s: log \"%s\" lacks \"%s\"", #call, _log, (msg)); \
     } while (0)
 
-/* The iteration in double: X = in (transposed when m > k), X /= ||X|| + 1e-7, steps of
- * A = X X^T, B = b A + c A A, X = a X + B X; the result back in the m x k layout. */
+/* The iteration in double (tests/lib/ns_ref.h). */
 static inline void ref_ns_f64(const double *in, int64_t m, int64_t k, int steps, double *out)
 {
-    const double ca = 3.4445, cb = -4.7750, cc = 2.0315;
-    const int trans = m > k;
-    const size_t s = (size_t)(trans ? k : m), l = (size_t)(trans ? m : k);
-    double *x = xmalloc(s * l * sizeof(double));
-    double *y = xmalloc(s * l * sizeof(double));
-    double *a = xmalloc(s * s * sizeof(double));
-    double *b = xmalloc(s * s * sizeof(double));
-    for (size_t i = 0; i < s; i++) {
-        for (size_t j = 0; j < l; j++) {
-            x[i * l + j] = trans ? in[j * (size_t)k + i] : in[i * (size_t)k + j];
-        }
-    }
-    double norm = 0.0;
-    for (size_t i = 0; i < s * l; i++) {
-        norm += x[i] * x[i];
-    }
-    norm = sqrt(norm) + 1e-7;
-    for (size_t i = 0; i < s * l; i++) {
-        x[i] /= norm;
-    }
-    for (int t = 0; t < steps; t++) {
-        for (size_t i = 0; i < s; i++) {
-            for (size_t j = 0; j < s; j++) {
-                double acc = 0.0;
-                for (size_t p = 0; p < l; p++) {
-                    acc += x[i * l + p] * x[j * l + p];
-                }
-                a[i * s + j] = acc;
-            }
-        }
-        for (size_t i = 0; i < s; i++) {
-            for (size_t j = 0; j < s; j++) {
-                b[i * s + j] = cb * a[i * s + j];
-            }
-            for (size_t p = 0; p < s; p++) {
-                const double aip = cc * a[i * s + p];
-                for (size_t j = 0; j < s; j++) {
-                    b[i * s + j] += aip * a[p * s + j];
-                }
-            }
-        }
-        for (size_t i = 0; i < s; i++) {
-            for (size_t j = 0; j < l; j++) {
-                y[i * l + j] = ca * x[i * l + j];
-            }
-            for (size_t p = 0; p < s; p++) {
-                const double bip = b[i * s + p];
-                for (size_t j = 0; j < l; j++) {
-                    y[i * l + j] += bip * x[p * l + j];
-                }
-            }
-        }
-        double *tmp = x;
-        x = y;
-        y = tmp;
-    }
-    for (size_t i = 0; i < s; i++) {
-        for (size_t j = 0; j < l; j++) {
-            if (trans) {
-                out[j * (size_t)k + i] = x[i * l + j];
-            } else {
-                out[i * (size_t)k + j] = x[i * l + j];
-            }
-        }
-    }
-    free(x);
-    free(y);
-    free(a);
-    free(b);
+    ns_ref_f64(in, m, k, steps, out);
 }
 
 #endif /* MFSDP_TESTS_KERNELS_UTIL_H */
