@@ -248,6 +248,28 @@ static mfsdp_status_t want_dtype(parse_ctx_t *ctx, const json_t *v, const char *
                 shown);
 }
 
+/* A string among choices (n of them); *i_p is its index. */
+static mfsdp_status_t want_enum(parse_ctx_t *ctx, const json_t *v, const char *path,
+                                const char *const *choices, size_t n, int *i_p)
+{
+    const char *s = json_is_string(v) ? json_string_value(v) : NULL;
+    for (size_t i = 0; s != NULL && i < n; i++) {
+        if (strcmp(s, choices[i]) == 0) {
+            *i_p = (int)i;
+            return MFSDP_OK;
+        }
+    }
+    char list[256] = "", shown[SHOW_LEN];
+    size_t used = 0;
+    for (size_t i = 0; i < n && used < sizeof(list); i++) {
+        used += (size_t)snprintf(list + used, sizeof(list) - used, "%s\"%s\"", i ? "|" : "",
+                                 choices[i]);
+    }
+    show(shown, sizeof(shown), s != NULL ? s : "");
+    return fail(ctx, MFSDP_ERR_PARSE, path, "expected one of %s, got %s%s%s", list,
+                s != NULL ? "\"" : type_word(v), shown, s != NULL ? "\"" : "");
+}
+
 /* Fetch obj[key] into *v_p; a missing required key is an error naming what was expected. */
 static mfsdp_status_t get_key(parse_ctx_t *ctx, json_t *obj, const char *path, const char *key,
                               int required, const char *what, json_t **v_p, char *kpath)
@@ -276,6 +298,67 @@ void mfsdp_hparams_default(mfsdp_hparams_t *hp)
     hp->adamw_beta2 = 0.95;
     hp->adamw_eps = 1e-8;
     hp->adamw_weight_decay = 0.0;
+    memset(&hp->schedule, 0, sizeof(hp->schedule));
+    hp->schedule.kind = MFSDP_SCHEDULE_CONSTANT;
+    hp->schedule.decay = MFSDP_DECAY_LINEAR;
+    hp->max_norm = 0.0;
+}
+
+static const char *const schedule_kinds[] = {"constant", "warmup-cosine", "warmup-linear", "wsd"};
+static const char *const decay_kinds[] = {"linear", "cosine", "sqrt"};
+static const char *const divide_rules[] = {"fsdp2", "force_sum", "world"};
+static const char *const tail_policies[] = {"owner", "shard", "auto", "job"};
+static const char *const step_modes[] = {"eager", "lazy"};
+#define NCHOICES(a) (sizeof(a) / sizeof((a)[0]))
+
+static mfsdp_status_t parse_schedule(parse_ctx_t *ctx, json_t *o, const char *path,
+                                     mfsdp_schedule_t *sc)
+{
+    static const char *const keys[] = {"kind",        "warmup_steps", "stable_steps",
+                                       "decay_steps", "decay",        "min_lr_ratio"};
+    static const char *const steps[] = {"warmup_steps", "stable_steps", "decay_steps"};
+    int64_t *dst[] = {&sc->warmup_steps, &sc->stable_steps, &sc->decay_steps};
+    char kp[PATH_LEN];
+    json_t *v;
+    int k;
+    MFSDP_CHECK(want_object(ctx, o, path));
+    MFSDP_CHECK(check_keys(ctx, o, path, keys, NCHOICES(keys)));
+    MFSDP_CHECK(get_key(ctx, o, path, "kind", 1, "one of constant|warmup-cosine|warmup-linear|wsd",
+                        &v, kp));
+    MFSDP_CHECK(want_enum(ctx, v, kp, schedule_kinds, NCHOICES(schedule_kinds), &k));
+    sc->kind = (mfsdp_schedule_kind_t)k;
+    for (size_t i = 0; i < NCHOICES(steps); i++) {
+        MFSDP_CHECK(get_key(ctx, o, path, steps[i], 0, NULL, &v, kp));
+        if (v != NULL) {
+            MFSDP_CHECK(want_int(ctx, v, kp, 0, INT32_MAX, "an integer in [0, 2^31)", dst[i]));
+        }
+    }
+    if (sc->stable_steps != 0 && sc->kind != MFSDP_SCHEDULE_WSD) {
+        path_key(kp, path, "stable_steps");
+        return fail(ctx, MFSDP_ERR_PARSE, kp, "only a \"wsd\" schedule has stable steps");
+    }
+    MFSDP_CHECK(get_key(ctx, o, path, "decay", 0, NULL, &v, kp));
+    if (v != NULL) {
+        if (sc->kind != MFSDP_SCHEDULE_WSD) {
+            return fail(ctx, MFSDP_ERR_PARSE, kp,
+                        "only a \"wsd\" schedule chooses its decay (the kind names it)");
+        }
+        MFSDP_CHECK(want_enum(ctx, v, kp, decay_kinds, NCHOICES(decay_kinds), &k));
+        sc->decay = (mfsdp_decay_kind_t)k;
+    }
+    if (sc->kind == MFSDP_SCHEDULE_WARMUP_COSINE) {
+        sc->decay = MFSDP_DECAY_COSINE;
+    }
+    MFSDP_CHECK(get_key(ctx, o, path, "min_lr_ratio", 0, NULL, &v, kp));
+    if (v != NULL) {
+        MFSDP_CHECK(want_real(ctx, v, kp, 0, 0, 1, 0, "a number in [0, 1]", &sc->min_lr_ratio));
+    }
+    if (sc->kind == MFSDP_SCHEDULE_CONSTANT &&
+        (sc->warmup_steps != 0 || sc->decay_steps != 0 || sc->min_lr_ratio != 0.0)) {
+        return fail(ctx, MFSDP_ERR_PARSE, path,
+                    "a \"constant\" schedule takes no warmup, decay or min_lr_ratio");
+    }
+    return MFSDP_OK;
 }
 
 static mfsdp_status_t parse_adamw(parse_ctx_t *ctx, json_t *o, const char *path,
@@ -319,8 +402,8 @@ static mfsdp_status_t parse_adamw(parse_ctx_t *ctx, json_t *o, const char *path,
 
 static mfsdp_status_t parse_optimizer(parse_ctx_t *ctx, json_t *o, mfsdp_hparams_t *hp)
 {
-    static const char *const keys[] = {"lr",           "momentum", "nesterov", "ns_steps",
-                                       "weight_decay", "scale",    "adamw"};
+    static const char *const keys[] = {"lr",    "momentum", "nesterov", "ns_steps", "weight_decay",
+                                       "scale", "adamw",    "schedule", "max_norm"};
     const char *path = "optimizer";
     char kp[PATH_LEN];
     json_t *v;
@@ -366,6 +449,86 @@ static mfsdp_status_t parse_optimizer(parse_ctx_t *ctx, json_t *o, mfsdp_hparams
     MFSDP_CHECK(get_key(ctx, o, path, "adamw", 0, NULL, &v, kp));
     if (v != NULL) {
         MFSDP_CHECK(parse_adamw(ctx, v, kp, hp));
+    }
+    MFSDP_CHECK(get_key(ctx, o, path, "schedule", 0, NULL, &v, kp));
+    if (v != NULL) {
+        MFSDP_CHECK(parse_schedule(ctx, v, kp, &hp->schedule));
+    }
+    MFSDP_CHECK(get_key(ctx, o, path, "max_norm", 0, NULL, &v, kp));
+    if (v != NULL) {
+        MFSDP_CHECK(want_real(ctx, v, kp, 0, 0, INFINITY, 0, "a number >= 0", &hp->max_norm));
+    }
+    return MFSDP_OK;
+}
+
+void mfsdp_training_default(mfsdp_training_t *t)
+{
+    if (t == NULL) {
+        return;
+    }
+    memset(t, 0, sizeof(*t));
+    t->micro_steps = 1;
+    t->divide = MFSDP_DIVIDE_FSDP2;
+    t->divide_factor = 1.0;
+    t->tail = MFSDP_TAIL_AUTO;
+    t->step = MFSDP_STEP_EAGER;
+}
+
+static mfsdp_status_t parse_training(parse_ctx_t *ctx, json_t *o, mfsdp_training_t *t)
+{
+    static const char *const keys[] = {"micro_steps", "grad_divide", "tail", "step"};
+    const char *path = "training";
+    char kp[PATH_LEN];
+    json_t *v;
+    int k;
+    MFSDP_CHECK(want_object(ctx, o, path));
+    MFSDP_CHECK(check_keys(ctx, o, path, keys, NCHOICES(keys)));
+    MFSDP_CHECK(get_key(ctx, o, path, "micro_steps", 0, NULL, &v, kp));
+    if (v != NULL) {
+        int64_t n;
+        MFSDP_CHECK(want_int(ctx, v, kp, 1, 1000000, "an integer in [1, 1000000]", &n));
+        t->micro_steps = (int)n;
+    }
+    MFSDP_CHECK(get_key(ctx, o, path, "grad_divide", 0, NULL, &v, kp));
+    if (v != NULL && json_is_number(v)) {
+        MFSDP_CHECK(want_real(ctx, v, kp, 0, 1, INFINITY, 0,
+                              "\"fsdp2\", \"force_sum\", \"world\" or a number > 0",
+                              &t->divide_factor));
+        t->divide = MFSDP_DIVIDE_FACTOR;
+    } else if (v != NULL) {
+        MFSDP_CHECK(want_enum(ctx, v, kp, divide_rules, NCHOICES(divide_rules), &k));
+        t->divide = (mfsdp_divide_rule_t)k;
+    }
+    MFSDP_CHECK(get_key(ctx, o, path, "tail", 0, NULL, &v, kp));
+    if (v != NULL) {
+        MFSDP_CHECK(want_enum(ctx, v, kp, tail_policies, NCHOICES(tail_policies), &k));
+        t->tail = (mfsdp_tail_policy_t)k;
+        t->has_tail = 1;
+    }
+    MFSDP_CHECK(get_key(ctx, o, path, "step", 0, NULL, &v, kp));
+    if (v != NULL) {
+        MFSDP_CHECK(want_enum(ctx, v, kp, step_modes, NCHOICES(step_modes), &k));
+        t->step = (mfsdp_step_mode_t)k;
+        t->has_step = 1;
+    }
+    return MFSDP_OK;
+}
+
+static mfsdp_status_t parse_iteration(parse_ctx_t *ctx, json_t *o, mfsdp_iteration_t *it)
+{
+    static const char *const keys[] = {"forward_only", "no_sync"};
+    const char *path = "iteration";
+    char kp[PATH_LEN];
+    json_t *v;
+    MFSDP_CHECK(want_object(ctx, o, path));
+    MFSDP_CHECK(check_keys(ctx, o, path, keys, NCHOICES(keys)));
+    MFSDP_CHECK(get_key(ctx, o, path, "forward_only", 0, NULL, &v, kp));
+    if (v != NULL) {
+        MFSDP_CHECK(want_bool(ctx, v, kp, &it->forward_only));
+    }
+    MFSDP_CHECK(get_key(ctx, o, path, "no_sync", 0, NULL, &v, kp));
+    if (v != NULL) {
+        MFSDP_CHECK(want_bool(ctx, v, kp, &it->no_sync));
     }
     return MFSDP_OK;
 }
@@ -490,8 +653,8 @@ static mfsdp_status_t take_name(parse_ctx_t *ctx, json_t *o, const char *path, c
             snprintf(where, sizeof(where), "%s", json_string_value(first));
         }
         json_decref(value);
-        return fail(ctx, MFSDP_ERR_PARSE, kp, "duplicate %s name \"%s\" (first at %s)", what,
-                    shown, where);
+        return fail(ctx, MFSDP_ERR_PARSE, kp, "duplicate %s name \"%s\" (first at %s)", what, shown,
+                    where);
     }
     if (value == NULL || json_object_set_new(table, name, value) != 0) {
         return fail(ctx, MFSDP_ERR_NO_MEMORY, kp, "out of memory");
@@ -513,8 +676,8 @@ static mfsdp_status_t parse_param(parse_ctx_t *ctx, json_t *o, const char *path,
     MFSDP_CHECK(want_object(ctx, o, path));
     MFSDP_CHECK(check_keys(ctx, o, path, keys, sizeof(keys) / sizeof(keys[0])));
 
-    MFSDP_CHECK(take_name(ctx, o, path, "param", ctx->param_names, json_string(path), kp,
-                          &p->name));
+    MFSDP_CHECK(
+        take_name(ctx, o, path, "param", ctx->param_names, json_string(path), kp, &p->name));
 
     MFSDP_CHECK(
         get_key(ctx, o, path, "shape", 1, "a non-empty array of positive integers", &v, kp));
@@ -576,8 +739,8 @@ static mfsdp_status_t parse_group(parse_ctx_t *ctx, json_t *o, const char *path,
     MFSDP_CHECK(want_object(ctx, o, path));
     MFSDP_CHECK(check_keys(ctx, o, path, keys, sizeof(keys) / sizeof(keys[0])));
 
-    MFSDP_CHECK(take_name(ctx, o, path, "group", ctx->group_names,
-                          json_integer((json_int_t)gi), kp, &g->name));
+    MFSDP_CHECK(take_name(ctx, o, path, "group", ctx->group_names, json_integer((json_int_t)gi), kp,
+                          &g->name));
 
     MFSDP_CHECK(get_key(ctx, o, path, "reduce_dtype", 0, NULL, &v, kp));
     g->has_reduce_dtype = v != NULL;
@@ -640,9 +803,22 @@ static mfsdp_status_t parse_sequence(parse_ctx_t *ctx, json_t *v, mfsdp_manifest
         char ep[PATH_LEN], kp[PATH_LEN];
         json_t *e = json_array_get(v, i);
         path_index(ep, path, i);
-        if (!json_is_array(e) || json_array_size(e) != 2) {
+        if (!json_is_array(e) || json_array_size(e) < 2 || json_array_size(e) > 3) {
             return fail(ctx, MFSDP_ERR_PARSE, ep,
-                        "expected [\"allgather\"|\"reduce_scatter\", <group name>]");
+                        "expected [\"allgather\"|\"reduce_scatter\", <group name>] or "
+                        "[..., <group name>, \"optional\"]");
+        }
+        if (json_array_size(e) == 3) {
+            json_t *flag = json_array_get(e, 2);
+            path_index(kp, ep, 2);
+            if (!json_is_string(flag) || strcmp(json_string_value(flag), "optional") != 0) {
+                char shown[SHOW_LEN];
+                show(shown, sizeof(shown), json_is_string(flag) ? json_string_value(flag) : "");
+                return fail(ctx, MFSDP_ERR_PARSE, kp, "expected \"optional\", got %s%s%s",
+                            json_is_string(flag) ? "\"" : type_word(flag), shown,
+                            json_is_string(flag) ? "\"" : "");
+            }
+            m->sequence[i].flags = MFSDP_CALL_OPTIONAL;
         }
         json_t *kind = json_array_get(e, 0);
         json_t *group = json_array_get(e, 1);
@@ -677,7 +853,8 @@ static mfsdp_status_t parse_sequence(parse_ctx_t *ctx, json_t *v, mfsdp_manifest
 
 static mfsdp_status_t parse_root(parse_ctx_t *ctx, json_t *root, mfsdp_manifest_t *m)
 {
-    static const char *const keys[] = {"format", "world_size", "optimizer", "groups", "sequence"};
+    static const char *const keys[] = {"format",   "world_size", "replicate", "optimizer",
+                                       "training", "iteration",  "groups",    "sequence"};
     char kp[PATH_LEN];
     json_t *v;
     if (!json_is_object(root)) {
@@ -705,11 +882,27 @@ static mfsdp_status_t parse_root(parse_ctx_t *ctx, json_t *root, mfsdp_manifest_
         MFSDP_CHECK(want_int(ctx, v, kp, 1, INT_MAX, "an integer >= 1", &w));
         m->world_size = (int)w;
     }
+    MFSDP_CHECK(get_key(ctx, root, "", "replicate", 0, NULL, &v, kp));
+    m->replicate = 1;
+    if (v != NULL) {
+        int64_t r;
+        MFSDP_CHECK(want_int(ctx, v, kp, 1, INT_MAX, "an integer >= 1", &r));
+        m->replicate = (int)r;
+    }
 
     mfsdp_hparams_default(&m->hp);
     MFSDP_CHECK(get_key(ctx, root, "", "optimizer", 0, NULL, &v, kp));
     if (v != NULL) {
         MFSDP_CHECK(parse_optimizer(ctx, v, &m->hp));
+    }
+    mfsdp_training_default(&m->training);
+    MFSDP_CHECK(get_key(ctx, root, "", "training", 0, NULL, &v, kp));
+    if (v != NULL) {
+        MFSDP_CHECK(parse_training(ctx, v, &m->training));
+    }
+    MFSDP_CHECK(get_key(ctx, root, "", "iteration", 0, NULL, &v, kp));
+    if (v != NULL) {
+        MFSDP_CHECK(parse_iteration(ctx, v, &m->iteration));
     }
 
     const char *what = "a non-empty array of group objects";
@@ -978,12 +1171,26 @@ static void emit_param(strbuf_t *b, const mfsdp_param_desc_t *p)
     sb_printf(b, ", \"shard_dim\": %d}", p->shard_dim);
 }
 
+/* A manifest built in C may leave these zero: they mean the defaults. */
+static int eff_micro(const mfsdp_training_t *t)
+{
+    return t->micro_steps > 1 ? t->micro_steps : 1;
+}
+
+static int eff_replicate(const mfsdp_manifest_t *m)
+{
+    return m->replicate > 1 ? m->replicate : 1;
+}
+
 static void emit_manifest(strbuf_t *b, const mfsdp_manifest_t *m)
 {
     const mfsdp_hparams_t *hp = &m->hp;
     sb_printf(b, "{\n  \"format\": \"%s\",\n", MFSDP_MANIFEST_FORMAT);
     if (m->world_size != 0) {
         sb_printf(b, "  \"world_size\": %d,\n", m->world_size);
+    }
+    if (eff_replicate(m) > 1) {
+        sb_printf(b, "  \"replicate\": %d,\n", eff_replicate(m));
     }
     sb_printf(b, "  \"optimizer\": {\"lr\": ");
     sb_real(b, hp->lr);
@@ -1003,7 +1210,48 @@ static void emit_manifest(strbuf_t *b, const mfsdp_manifest_t *m)
     sb_real(b, hp->adamw_eps);
     sb_printf(b, ", \"weight_decay\": ");
     sb_real(b, hp->adamw_weight_decay);
-    sb_printf(b, "}},\n  \"groups\": [\n");
+    sb_printf(b, "}");
+    const mfsdp_schedule_t *sc = &hp->schedule;
+    if (sc->kind != MFSDP_SCHEDULE_CONSTANT) {
+        sb_printf(b, ",\n    \"schedule\": {\"kind\": \"%s\", \"warmup_steps\": %" PRId64,
+                  schedule_kinds[sc->kind], sc->warmup_steps);
+        if (sc->kind == MFSDP_SCHEDULE_WSD) {
+            sb_printf(b, ", \"stable_steps\": %" PRId64 ", \"decay\": \"%s\"", sc->stable_steps,
+                      decay_kinds[sc->decay]);
+        }
+        sb_printf(b, ", \"decay_steps\": %" PRId64 ", \"min_lr_ratio\": ", sc->decay_steps);
+        sb_real(b, sc->min_lr_ratio);
+        sb_printf(b, "}");
+    }
+    if (hp->max_norm != 0.0) {
+        sb_printf(b, ", \"max_norm\": ");
+        sb_real(b, hp->max_norm);
+    }
+    sb_printf(b, "},\n");
+    const mfsdp_training_t *t = &m->training;
+    mfsdp_training_t td;
+    mfsdp_training_default(&td);
+    if (eff_micro(t) != td.micro_steps || t->divide != td.divide || t->has_tail || t->has_step) {
+        sb_printf(b, "  \"training\": {\"micro_steps\": %d, \"grad_divide\": ", eff_micro(t));
+        if (t->divide == MFSDP_DIVIDE_FACTOR) {
+            sb_real(b, t->divide_factor);
+        } else {
+            sb_printf(b, "\"%s\"", divide_rules[t->divide]);
+        }
+        if (t->has_tail) {
+            sb_printf(b, ", \"tail\": \"%s\"", tail_policies[t->tail]);
+        }
+        if (t->has_step) {
+            sb_printf(b, ", \"step\": \"%s\"", step_modes[t->step]);
+        }
+        sb_printf(b, "},\n");
+    }
+    if (m->iteration.forward_only || m->iteration.no_sync) {
+        sb_printf(b, "  \"iteration\": {\"forward_only\": %s, \"no_sync\": %s},\n",
+                  m->iteration.forward_only ? "true" : "false",
+                  m->iteration.no_sync ? "true" : "false");
+    }
+    sb_printf(b, "  \"groups\": [\n");
     for (size_t g = 0; g < m->ngroups; g++) {
         const mfsdp_group_desc_t *gd = &m->groups[g];
         sb_printf(b, "    {\"name\": ");
@@ -1032,7 +1280,9 @@ static void emit_manifest(strbuf_t *b, const mfsdp_manifest_t *m)
             sb_printf(b, "    [\"%s\", ",
                       m->sequence[i].kind == MFSDP_CALL_ALLGATHER ? "allgather" : "reduce_scatter");
             sb_string(b, m->groups[m->sequence[i].group].name);
-            sb_printf(b, "]%s\n", i + 1 < m->ncalls ? "," : "");
+            sb_printf(b, "%s]%s\n",
+                      (m->sequence[i].flags & MFSDP_CALL_OPTIONAL) ? ", \"optional\"" : "",
+                      i + 1 < m->ncalls ? "," : "");
         }
         sb_printf(b, "  ]");
     }
@@ -1066,6 +1316,14 @@ static int manifest_writable(const mfsdp_manifest_t *m)
             return 0;
         }
     }
+    const mfsdp_training_t *t = &m->training;
+    if ((unsigned)m->hp.schedule.kind >= NCHOICES(schedule_kinds) ||
+        (unsigned)m->hp.schedule.decay >= NCHOICES(decay_kinds) ||
+        (unsigned)t->divide > MFSDP_DIVIDE_FACTOR ||
+        (t->has_tail && (unsigned)t->tail >= NCHOICES(tail_policies)) ||
+        (t->has_step && (unsigned)t->step >= NCHOICES(step_modes))) {
+        return 0;
+    }
     return 1;
 }
 
@@ -1090,6 +1348,15 @@ static int params_equal(const mfsdp_param_desc_t *a, const mfsdp_param_desc_t *b
     return 1;
 }
 
+/* decay only matters for wsd: the other kinds name theirs */
+static int schedules_equal(const mfsdp_schedule_t *a, const mfsdp_schedule_t *b)
+{
+    return a->kind == b->kind && a->warmup_steps == b->warmup_steps &&
+           a->stable_steps == b->stable_steps && a->decay_steps == b->decay_steps &&
+           (a->kind != MFSDP_SCHEDULE_WSD || a->decay == b->decay) &&
+           a->min_lr_ratio == b->min_lr_ratio;
+}
+
 static int manifests_equal(const mfsdp_manifest_t *a, const mfsdp_manifest_t *b)
 {
     const mfsdp_hparams_t *x = &a->hp, *y = &b->hp;
@@ -1098,7 +1365,17 @@ static int manifests_equal(const mfsdp_manifest_t *a, const mfsdp_manifest_t *b)
         x->ns_steps != y->ns_steps || x->weight_decay != y->weight_decay || x->scale != y->scale ||
         x->adamw_lr != y->adamw_lr || x->adamw_beta1 != y->adamw_beta1 ||
         x->adamw_beta2 != y->adamw_beta2 || x->adamw_eps != y->adamw_eps ||
-        x->adamw_weight_decay != y->adamw_weight_decay) {
+        x->adamw_weight_decay != y->adamw_weight_decay || eff_replicate(a) != eff_replicate(b) ||
+        !schedules_equal(&x->schedule, &y->schedule) || x->max_norm != y->max_norm) {
+        return 0;
+    }
+    const mfsdp_training_t *ta = &a->training, *tb = &b->training;
+    if (eff_micro(ta) != eff_micro(tb) || ta->divide != tb->divide ||
+        (ta->divide == MFSDP_DIVIDE_FACTOR && ta->divide_factor != tb->divide_factor) ||
+        ta->has_tail != tb->has_tail || (ta->has_tail && ta->tail != tb->tail) ||
+        ta->has_step != tb->has_step || (ta->has_step && ta->step != tb->step) ||
+        a->iteration.forward_only != b->iteration.forward_only ||
+        a->iteration.no_sync != b->iteration.no_sync) {
         return 0;
     }
     for (size_t g = 0; g < a->ngroups; g++) {
@@ -1118,7 +1395,8 @@ static int manifests_equal(const mfsdp_manifest_t *a, const mfsdp_manifest_t *b)
     }
     for (size_t i = 0; i < a->ncalls; i++) {
         if (a->sequence[i].kind != b->sequence[i].kind ||
-            a->sequence[i].group != b->sequence[i].group) {
+            a->sequence[i].group != b->sequence[i].group ||
+            a->sequence[i].flags != b->sequence[i].flags) {
             return 0;
         }
     }

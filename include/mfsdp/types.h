@@ -45,6 +45,9 @@ typedef enum mfsdp_tail_policy {
     MFSDP_TAIL_OWNER = 0, /**< packed whole onto an owner rank */
     MFSDP_TAIL_SHARD = 1, /**< kept in FSDP's even slices */
     MFSDP_TAIL_AUTO = 2,  /**< shard when owners would unbalance memory */
+    /** the tail bytes travel with the native collective untouched and the job's own
+     *  optimizer trains them; mfsdp keeps no state for them */
+    MFSDP_TAIL_JOB = 3,
 } mfsdp_tail_policy_t;
 
 /** Muon update scaling rule. */
@@ -65,16 +68,19 @@ typedef enum mfsdp_algo {
 typedef enum mfsdp_step_mode {
     MFSDP_STEP_EAGER = 0, /**< as soon as a group's last micro-step reduce landed */
     MFSDP_STEP_LAZY = 1,  /**< before the next iteration's first all-gather */
+    /** only when mfsdp_ctx_step() is called (the PyTorch companion: at the job's
+     *  optimizer.step()) */
+    MFSDP_STEP_MANUAL = 2,
 } mfsdp_step_mode_t;
 
 /** Categories of owner-arena memory (DESIGN.md section 7). */
 typedef enum mfsdp_arena_cat {
-    MFSDP_ARENA_MASTER = 0, /**< fp32 master weights */
-    MFSDP_ARENA_COMM = 1,   /**< communication-dtype copy of the weights */
-    MFSDP_ARENA_GRAD = 2,   /**< fp32 gradient accumulator */
+    MFSDP_ARENA_MASTER = 0,   /**< fp32 master weights */
+    MFSDP_ARENA_COMM = 1,     /**< communication-dtype copy of the weights */
+    MFSDP_ARENA_GRAD = 2,     /**< fp32 gradient accumulator */
     MFSDP_ARENA_MOMENTUM = 3, /**< Muon momentum (fp32) */
-    MFSDP_ARENA_ADAM_M = 4, /**< AdamW first moment (fp32) */
-    MFSDP_ARENA_ADAM_V = 5, /**< AdamW second moment (fp32) */
+    MFSDP_ARENA_ADAM_M = 4,   /**< AdamW first moment (fp32) */
+    MFSDP_ARENA_ADAM_V = 5,   /**< AdamW second moment (fp32) */
     MFSDP_ARENA_NCAT
 } mfsdp_arena_cat_t;
 

@@ -64,6 +64,32 @@ static inline const char *test_manifest_diff(const mfsdp_manifest_t *a, const mf
         x->adamw_weight_decay != y->adamw_weight_decay) {
         return "adamw hyper-parameters";
     }
+    const mfsdp_schedule_t *sa = &x->schedule, *sb = &y->schedule;
+    if (sa->kind != sb->kind || sa->warmup_steps != sb->warmup_steps ||
+        sa->stable_steps != sb->stable_steps || sa->decay_steps != sb->decay_steps ||
+        sa->min_lr_ratio != sb->min_lr_ratio ||
+        (sa->kind == MFSDP_SCHEDULE_WSD && sa->decay != sb->decay)) {
+        return "schedule";
+    }
+    if (x->max_norm != y->max_norm) {
+        return "max_norm";
+    }
+    if ((a->replicate > 1 ? a->replicate : 1) != (b->replicate > 1 ? b->replicate : 1)) {
+        return "replicate";
+    }
+    const mfsdp_training_t *ta = &a->training, *tb = &b->training;
+    if ((ta->micro_steps > 1 ? ta->micro_steps : 1) !=
+            (tb->micro_steps > 1 ? tb->micro_steps : 1) ||
+        ta->divide != tb->divide ||
+        (ta->divide == MFSDP_DIVIDE_FACTOR && ta->divide_factor != tb->divide_factor) ||
+        ta->has_tail != tb->has_tail || (ta->has_tail && ta->tail != tb->tail) ||
+        ta->has_step != tb->has_step || (ta->has_step && ta->step != tb->step)) {
+        return "training";
+    }
+    if (a->iteration.forward_only != b->iteration.forward_only ||
+        a->iteration.no_sync != b->iteration.no_sync) {
+        return "iteration";
+    }
     if (a->ngroups != b->ngroups) {
         return "ngroups";
     }
@@ -98,7 +124,8 @@ static inline const char *test_manifest_diff(const mfsdp_manifest_t *a, const mf
     }
     for (size_t i = 0; i < a->ncalls; i++) {
         if (a->sequence[i].kind != b->sequence[i].kind ||
-            a->sequence[i].group != b->sequence[i].group) {
+            a->sequence[i].group != b->sequence[i].group ||
+            a->sequence[i].flags != b->sequence[i].flags) {
             return "sequence";
         }
     }

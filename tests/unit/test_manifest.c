@@ -89,6 +89,9 @@ typedef struct bad_case {
 #define GRP(extra)    HEAD "'groups':[{'name':'g'" extra ",'params':[" W "]}]}"
 #define TOP(extra)    HEAD extra "'groups':[{'name':'g','params':[" W "]}]}"
 #define SEQ(s)        TOP("'sequence':" s ",")
+#define SCHED(o)      OPT("'schedule':{" o "}")
+#define TRAIN(o)      TOP("'training':{" o "},")
+#define ITER(o)       TOP("'iteration':{" o "},")
 #define E(msg)        "model.json: " msg
 
 #define PARSE    MFSDP_ERR_PARSE
@@ -118,7 +121,8 @@ ParameterizedTestParameters(manifest, rejects)
          E("format: expected 'mfsdp-manifest/1', got 'mfsdp-manifest/2' (unsupported version)")},
         /* unknown keys everywhere, shown safely */
         {TOP("'colour':'red',"), PARSE,
-         E("colour: unknown key (expected one of format|world_size|optimizer|groups|sequence)")},
+         E("colour: unknown key (expected one of format|world_size|replicate|optimizer|training|"
+           "iteration|groups|sequence)")},
         {TOP("'a\\nb':1,"), PARSE, E("a?b: unknown key")},
         {TOP("'aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa':"
              "1,"),
@@ -327,8 +331,56 @@ ParameterizedTestParameters(manifest, rejects)
            "object")},
         {SEQ("['allgather','g']"), PARSE,
          E("sequence[0]: expected ['allgather'|'reduce_scatter', <group name>]")},
-        {SEQ("[['allgather','g','g']]"), PARSE,
-         E("sequence[0]: expected ['allgather'|'reduce_scatter', <group name>]")},
+        {SEQ("[['allgather','g','g']]"), PARSE, E("sequence[0][2]: expected 'optional', got 'g'")},
+        {SEQ("[['allgather','g',1]]"), PARSE,
+         E("sequence[0][2]: expected 'optional', got an integer")},
+        {SEQ("[['allgather','g','optional','x']]"), PARSE,
+         E("sequence[0]: expected ['allgather'|'reduce_scatter', <group name>] or [..., <group "
+           "name>, 'optional']")},
+        /* replicate, schedule, max_norm, training, iteration */
+        {TOP("'replicate':0,"), PARSE, E("replicate: expected an integer >= 1, got 0")},
+        {TOP("'replicate':'2',"), PARSE, E("replicate: expected an integer >= 1, got a string")},
+        {OPT("'max_norm':-1"), PARSE, E("optimizer.max_norm: expected a number >= 0, got -1")},
+        {OPT("'schedule':'cosine'"), PARSE,
+         E("optimizer.schedule: expected an object, got a string")},
+        {SCHED("'warmup_steps':3"), PARSE,
+         E("optimizer.schedule.kind: missing, expected one of constant|warmup-cosine|"
+           "warmup-linear|wsd")},
+        {SCHED("'kind':'cosine'"), PARSE,
+         E("optimizer.schedule.kind: expected one of 'constant'|'warmup-cosine'|'warmup-linear'|"
+           "'wsd', got 'cosine'")},
+        {SCHED("'kind':'wsd','warmup_steps':-1"), PARSE,
+         E("optimizer.schedule.warmup_steps: expected an integer in [0, 2^31), got -1")},
+        {SCHED("'kind':'wsd','decay_steps':1.5"), PARSE,
+         E("optimizer.schedule.decay_steps: expected an integer in [0, 2^31), got a real")},
+        {SCHED("'kind':'warmup-cosine','stable_steps':4"), PARSE,
+         E("optimizer.schedule.stable_steps: only a 'wsd' schedule has stable steps")},
+        {SCHED("'kind':'warmup-linear','decay':'cosine'"), PARSE,
+         E("optimizer.schedule.decay: only a 'wsd' schedule chooses its decay")},
+        {SCHED("'kind':'wsd','decay':'exp'"), PARSE,
+         E("optimizer.schedule.decay: expected one of 'linear'|'cosine'|'sqrt', got 'exp'")},
+        {SCHED("'kind':'wsd','min_lr_ratio':1.5"), PARSE,
+         E("optimizer.schedule.min_lr_ratio: expected a number in [0, 1], got 1.5")},
+        {SCHED("'kind':'constant','warmup_steps':2"), PARSE,
+         E("optimizer.schedule: a 'constant' schedule takes no warmup, decay or min_lr_ratio")},
+        {SCHED("'kind':'wsd','period':2"), PARSE, E("optimizer.schedule.period: unknown key")},
+        {TRAIN("'micro_steps':0"), PARSE,
+         E("training.micro_steps: expected an integer in [1, 1000000], got 0")},
+        {TRAIN("'grad_divide':'avg'"), PARSE,
+         E("training.grad_divide: expected one of 'fsdp2'|'force_sum'|'world', got 'avg'")},
+        {TRAIN("'grad_divide':0"), PARSE,
+         E("training.grad_divide: expected 'fsdp2', 'force_sum', 'world' or a number > 0, got 0")},
+        {TRAIN("'tail':'replicated'"), PARSE,
+         E("training.tail: expected one of 'owner'|'shard'|'auto'|'job', got 'replicated'")},
+        {TRAIN("'step':'manual'"), PARSE,
+         E("training.step: expected one of 'eager'|'lazy', got 'manual'")},
+        {TRAIN("'accum':2"), PARSE,
+         E("training.accum: unknown key (expected one of micro_steps|grad_divide|tail|step)")},
+        {TOP("'training':[],"), PARSE, E("training: expected an object, got an array")},
+        {ITER("'forward_only':1"), PARSE,
+         E("iteration.forward_only: expected true or false, got an integer")},
+        {ITER("'eval':true"), PARSE,
+         E("iteration.eval: unknown key (expected one of forward_only|no_sync)")},
         {SEQ("[['allgather']]"), PARSE,
          E("sequence[0]: expected ['allgather'|'reduce_scatter', <group name>]")},
         {SEQ("[['allgather','g'],['broadcast','g']]"), PARSE,
@@ -437,6 +489,26 @@ Test(manifest, defaults)
     cr_expect_eq(b->optimizer, MFSDP_ROLE_ADAMW);
     cr_expect_eq(m->ncalls, 0);
     cr_expect_null(m->sequence);
+    cr_expect_eq(m->replicate, 1);
+    cr_expect_eq(m->hp.schedule.kind, MFSDP_SCHEDULE_CONSTANT);
+    cr_expect_float_eq(m->hp.max_norm, 0.0, 0);
+    cr_expect_eq(m->training.micro_steps, 1);
+    cr_expect_eq(m->training.divide, MFSDP_DIVIDE_FSDP2);
+    cr_expect_eq(m->training.has_tail, 0);
+    cr_expect_eq(m->training.has_step, 0);
+    cr_expect_eq(m->iteration.forward_only, 0);
+    cr_expect_eq(m->iteration.no_sync, 0);
+    mfsdp_manifest_free(m);
+
+    /* warmup-cosine names its decay; an optional sequence entry is flagged */
+    m = parse_ok(TOP("'optimizer':{'schedule':{'kind':'warmup-cosine','warmup_steps':5,"
+                     "'decay_steps':50}},'training':{'grad_divide':'force_sum'},"
+                     "'sequence':[['allgather','g','optional'],['reduce_scatter','g']],"));
+    cr_expect_eq(m->hp.schedule.decay, MFSDP_DECAY_COSINE);
+    cr_expect_float_eq(m->hp.schedule.min_lr_ratio, 0.0, 0);
+    cr_expect_eq(m->training.divide, MFSDP_DIVIDE_FORCE_SUM);
+    cr_expect_eq(m->sequence[0].flags, MFSDP_CALL_OPTIONAL);
+    cr_expect_eq(m->sequence[1].flags, 0);
     mfsdp_manifest_free(m);
 
     /* The default hyper-parameters are the same through mfsdp_hparams_default(). */
@@ -498,8 +570,12 @@ Test(manifest, optimizer_rule)
     "{'name':'conv','shape':[2,3,4,5,1,1,1,7],'dtype':'float16','shard_dim':1},"                   \
     "{'name':'frozen','shape':[5,4],'dtype':'bfloat16','requires_grad':false,"                     \
     "'optimizer':'adamw'}]}],"                                                                     \
-    "'world_size':8,'format':'mfsdp-manifest/1',"                                                  \
+    "'world_size':8,'format':'mfsdp-manifest/1','replicate':2,"                                    \
+    "'training':{'step':'lazy','tail':'job','grad_divide':2.5,'micro_steps':4},"                   \
+    "'iteration':{'no_sync':true,'forward_only':true},"                                            \
     "'optimizer':{'adamw':{'weight_decay':0.01,'eps':1e-10,'betas':[0.8,0.99],'lr':3e-4},"         \
+    "'max_norm':1.5,'schedule':{'min_lr_ratio':0.1,'decay':'sqrt','decay_steps':30,"               \
+    "'stable_steps':20,'warmup_steps':10,'kind':'wsd'},"                                           \
     "'scale':'moonlight','weight_decay':0.1,'ns_steps':0,'nesterov':false,'momentum':0,"           \
     "'lr':1}}"
 
@@ -507,6 +583,23 @@ Test(manifest, every_field)
 {
     mfsdp_manifest_t *m = parse_ok(FULL);
     cr_expect_eq(m->world_size, 8);
+    cr_expect_eq(m->replicate, 2);
+    cr_expect_eq(m->hp.schedule.kind, MFSDP_SCHEDULE_WSD);
+    cr_expect_eq(m->hp.schedule.warmup_steps, 10);
+    cr_expect_eq(m->hp.schedule.stable_steps, 20);
+    cr_expect_eq(m->hp.schedule.decay_steps, 30);
+    cr_expect_eq(m->hp.schedule.decay, MFSDP_DECAY_SQRT);
+    cr_expect_float_eq(m->hp.schedule.min_lr_ratio, 0.1, 0);
+    cr_expect_float_eq(m->hp.max_norm, 1.5, 0);
+    cr_expect_eq(m->training.micro_steps, 4);
+    cr_expect_eq(m->training.divide, MFSDP_DIVIDE_FACTOR);
+    cr_expect_float_eq(m->training.divide_factor, 2.5, 0);
+    cr_expect_eq(m->training.has_tail, 1);
+    cr_expect_eq(m->training.tail, MFSDP_TAIL_JOB);
+    cr_expect_eq(m->training.has_step, 1);
+    cr_expect_eq(m->training.step, MFSDP_STEP_LAZY);
+    cr_expect_eq(m->iteration.forward_only, 1);
+    cr_expect_eq(m->iteration.no_sync, 1);
     cr_expect_float_eq(m->hp.lr, 1.0, 0);
     cr_expect_float_eq(m->hp.momentum, 0.0, 0);
     cr_expect_eq(m->hp.nesterov, 0);
@@ -692,7 +785,7 @@ Test(manifest, to_json_of_a_manifest_built_in_c, .init = quiet)
                                 .params = params,
                                 .has_reduce_dtype = 1,
                                 .reduce_dtype = MFSDP_FLOAT32};
-    mfsdp_call_t seq[1] = {{MFSDP_CALL_REDUCE_SCATTER, 0}};
+    mfsdp_call_t seq[1] = {{MFSDP_CALL_REDUCE_SCATTER, 0, 0}};
     mfsdp_manifest_t m = {
         .world_size = 3, .ngroups = 1, .groups = &group, .ncalls = 1, .sequence = seq};
     mfsdp_hparams_default(&m.hp);
