@@ -94,8 +94,23 @@ void mfsdp_group_layout_destroy(mfsdp_group_layout_t *layout)
 mfsdp_status_t mfsdp_group_layout_create(const mfsdp_group_desc_t *g, int world,
                                          mfsdp_group_layout_t **layout_p)
 {
+    return mfsdp_group_layout_create_masked(g, world, NULL, layout_p);
+}
+
+mfsdp_status_t mfsdp_group_layout_create_masked(const mfsdp_group_desc_t *g, int world,
+                                                const unsigned char *has_grad,
+                                                mfsdp_group_layout_t **layout_p)
+{
     MFSDP_CHECK_ARG(g != NULL && layout_p != NULL && world >= 1);
     MFSDP_CHECK_ARG(g->nparams == 0 || g->params != NULL);
+    for (size_t i = 0; has_grad != NULL && i < g->nparams; i++) {
+        if (has_grad[i] > 1 || (has_grad[i] && !g->params[i].requires_grad)) {
+            MFSDP_WARN("group %s: param %s is marked as having a gradient but %s",
+                       g->name ? g->name : "?", g->params[i].name ? g->params[i].name : "?",
+                       has_grad[i] > 1 ? "the mark is not 0 or 1" : "it does not require one");
+            return MFSDP_ERR_INVALID_ARG;
+        }
+    }
     mfsdp_status_t st = MFSDP_OK;
     mfsdp_group_layout_t *l = calloc(1, sizeof(*l));
     int *ag_inc = calloc(g->nparams + 1, sizeof(int));
@@ -147,6 +162,9 @@ mfsdp_status_t mfsdp_group_layout_create(const mfsdp_group_desc_t *g, int world,
                        mfsdp_dtype_name(g->params[i].dtype));
             st = MFSDP_ERR_UNSUPPORTED;
             goto out;
+        }
+        if (has_grad != NULL && !has_grad[i]) {
+            continue; /* no gradient in this backward: FSDP2 leaves it out */
         }
         rs_inc[i] = 1;
         l->rs_entry[i] = k++;

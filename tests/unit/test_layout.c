@@ -89,7 +89,7 @@ Test(layout, not_divisible)
     expect_entry(&l->ag.entries[1], 2, 2, 36, 4);
     expect_piece(l, 0, 0, 0, 0, 36, 0);
     expect_piece(l, 0, 1, 44, 36, 36, 0);
-    expect_piece(l, 0, 3, 132, 108, 12, 24); /* row 9 only */
+    expect_piece(l, 0, 3, 132, 108, 12, 24);      /* row 9 only */
     expect_piece(l, 1, 2, 2 * 44 + 36, 16, 4, 4); /* b row 4 + one padding row */
     expect_piece(l, 1, 3, 3 * 44 + 36, 0, 0, 8);  /* all padding */
     /* reduce-scatter: same layout (all params have gradients, same dtype) */
@@ -162,9 +162,9 @@ Test(layout, mixed_dtypes_bytes)
 /* A param without gradient drops out of the reduce-scatter: S' < S. */
 Test(layout, no_grad_params)
 {
-    add("W1", MFSDP_FLOAT32, 1, 2, 4, 4, 0);  /* c 2, s 8 */
-    add("W2", MFSDP_FLOAT32, 0, 2, 6, 2, 0);  /* c 3, s 6 (frozen) */
-    add("b", MFSDP_FLOAT32, 1, 1, 5, 0, 0);   /* c 3, s 3 */
+    add("W1", MFSDP_FLOAT32, 1, 2, 4, 4, 0); /* c 2, s 8 */
+    add("W2", MFSDP_FLOAT32, 0, 2, 6, 2, 0); /* c 3, s 6 (frozen) */
+    add("b", MFSDP_FLOAT32, 1, 1, 5, 0, 0);  /* c 3, s 3 */
     mfsdp_group_layout_t *l = make(2);
     cr_expect_eq(l->ag.count, 17);
     cr_expect_eq(l->ag.entries[2].o_bytes, 14 * 4);
@@ -176,6 +176,46 @@ Test(layout, no_grad_params)
     cr_expect_eq(l->rs.entries[1].param, 2);
     cr_expect_eq(l->rs.entries[1].o_bytes, 8 * 4);
     mfsdp_group_layout_destroy(l);
+}
+
+/* FSDP2 reduces only the params that got a gradient in this backward (hand-computed). */
+Test(layout, reduce_over_params_with_grad)
+{
+    add("W1", MFSDP_BFLOAT16, 1, 2, 4, 4, 0); /* c 2, s 8 */
+    add("W2", MFSDP_BFLOAT16, 0, 2, 6, 2, 0); /* c 3, s 6 (frozen) */
+    add("b1", MFSDP_BFLOAT16, 1, 1, 5, 0, 0); /* c 3, s 3 (unused this step) */
+    add("b2", MFSDP_BFLOAT16, 1, 1, 3, 0, 0); /* c 2, s 2 */
+    group.has_reduce_dtype = 1;
+    group.reduce_dtype = MFSDP_FLOAT32;
+    const unsigned char has_grad[4] = {1, 0, 0, 1};
+    mfsdp_group_layout_t *l = NULL;
+    cr_assert_eq(mfsdp_group_layout_create_masked(&group, 2, has_grad, &l), MFSDP_OK);
+    cr_expect_eq(l->ag.count, 19); /* the all-gather is unchanged */
+    cr_expect_eq(l->rs.dtype, MFSDP_FLOAT32);
+    cr_expect_eq(l->rs.count, 10);
+    cr_expect_eq(l->rs.nentries, 2);
+    cr_expect_eq(l->rs_entry[0], 0);
+    cr_expect_eq(l->rs_entry[1], -1);
+    cr_expect_eq(l->rs_entry[2], -1);
+    cr_expect_eq(l->rs_entry[3], 1);
+    expect_entry(&l->rs.entries[1], 2, 2, 8 * 4, 4);
+    mfsdp_group_layout_destroy(l);
+
+    /* Nothing with a gradient: an empty reduce layout, not an error. */
+    const unsigned char none[4] = {0, 0, 0, 0};
+    cr_assert_eq(mfsdp_group_layout_create_masked(&group, 3, none, &l), MFSDP_OK);
+    cr_expect_eq(l->rs.count, 0);
+    cr_expect_eq(l->rs.nentries, 0);
+    mfsdp_group_layout_destroy(l);
+
+    /* A frozen param cannot have a gradient; a mark must be 0 or 1. */
+    setenv("MFSDP_DEBUG", "NONE", 1);
+    const unsigned char frozen[4] = {1, 1, 0, 0};
+    const unsigned char two[4] = {1, 0, 2, 0};
+    l = (mfsdp_group_layout_t *)0x1;
+    cr_expect_eq(mfsdp_group_layout_create_masked(&group, 2, frozen, &l), MFSDP_ERR_INVALID_ARG);
+    cr_expect_eq(mfsdp_group_layout_create_masked(&group, 2, two, &l), MFSDP_ERR_INVALID_ARG);
+    cr_expect_eq(l, (mfsdp_group_layout_t *)0x1, "output written on failure");
 }
 
 Test(layout, bf16_params_reduced_in_fp32)
