@@ -1,9 +1,14 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Internal state of a runtime context (runtime/runtime.c, runtime/runtime_mpi.c). */
+/*
+ * Internal state of a runtime context, shared by the files of runtime/: ctx.c (set-up,
+ * teardown, getters), staging.c (per-call buffers), allgather.c, reduce.c, step.c and the
+ * communicator-specific constructors (runtime_mpi.c).
+ */
 #ifndef MFSDP_RUNTIME_CTX_H
 #define MFSDP_RUNTIME_CTX_H
 
 #include "alloc/arena.h"
+#include "mfsdp/kernels.h"
 #include "core/schedule.h"
 #include "mfsdp/runtime.h"
 #include "transport/transport.h"
@@ -14,10 +19,10 @@ typedef struct mfsdp_group_state {
     mfsdp_group_sched_t *gs;
     mfsdp_sched_ops_t ag_ops;
     mfsdp_sched_ops_t rs_ops;
-    mfsdp_xfer_bufs_t *bufs;  /* gs->nsegs (+1) entries, bound per call */
-    int initialized;          /* weights taken from the first all-gather */
-    int micro;                /* micro-steps accumulated since the last step */
-    int64_t nsteps;           /* optimizer steps run on this group (AdamW t) */
+    mfsdp_xfer_bufs_t *bufs; /* gs->nsegs (+1) entries, bound per call */
+    int initialized;         /* weights taken from the first all-gather */
+    int micro;               /* micro-steps accumulated since the last step */
+    int64_t nsteps;          /* optimizer steps run on this group (AdamW t) */
 } mfsdp_group_state_t;
 
 struct mfsdp_ctx {
@@ -51,6 +56,66 @@ struct mfsdp_ctx {
     double step_seconds; /* wall time inside owner optimizer steps */
     double last_norm;
 };
+
+/* ---- arena views ---- */
+
+/* A shard's region of one arena category, NULL when it has none (or while sizing). */
+static inline void *mfsdp_ctx_slot(const struct mfsdp_ctx *ctx, size_t shard, mfsdp_arena_cat_t cat)
+{
+    const mfsdp_arena_slot_t *s = &ctx->slots[shard];
+    char *base = mfsdp_arena_base(ctx->arena, cat); /* NULL while sizing, before the arena */
+    if (s->elems == 0 || s->off[cat] == MFSDP_ARENA_NONE || base == NULL) {
+        return NULL;
+    }
+    return base + s->off[cat];
+}
+
+static inline const mfsdp_param_desc_t *mfsdp_ctx_shard_param(const struct mfsdp_ctx *ctx,
+                                                              size_t shard)
+{
+    const mfsdp_shard_t *sh = &ctx->plan->shards[shard];
+    return &ctx->manifest->groups[sh->group].params[sh->param];
+}
+
+/* Real (non-padding) elements of this rank's slice of a sharded tensor. */
+static inline size_t mfsdp_ctx_slice_valid(const struct mfsdp_ctx *ctx,
+                                           const mfsdp_param_layout_t *e)
+{
+    int64_t first = (int64_t)ctx->rank * e->c;
+    int64_t rows = e->rows - first;
+    rows = rows < 0 ? 0 : (rows > e->c ? e->c : rows);
+    return (size_t)rows * (size_t)e->rest;
+}
+
+/* ---- shared between the files of runtime/ ---- */
+
+/* MFSDP_ERR_STATE (logged) unless ctx is a live context. */
+mfsdp_status_t mfsdp_ctx_check(const struct mfsdp_ctx *ctx);
+/* MFSDP_ERR_INVALID_ARG (logged, naming what) for a group index out of range. */
+mfsdp_status_t mfsdp_ctx_group_check(const struct mfsdp_ctx *ctx, size_t group, const char *what);
+
+/* The packed sharded tail of one call. */
+typedef struct mfsdp_tail_bufs {
+    void *send;
+    void *recv;
+} mfsdp_tail_bufs_t;
+
+/* Bind the staging buffers of group g's all-gather / reduce at base (NULL: only size them
+ * into *need_p). */
+mfsdp_status_t mfsdp_ctx_bind_gather(struct mfsdp_ctx *ctx, size_t g, char *base, size_t *need_p,
+                                     mfsdp_tail_bufs_t *tail);
+mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, char *base, size_t *need_p,
+                                     mfsdp_tail_bufs_t *tail);
+
+/* FSDP's strided geometry of one param in a buffer layout (pack/unpack). */
+void mfsdp_ctx_geom(const mfsdp_buffer_layout_t *b, const mfsdp_param_layout_t *e, int world,
+                    mfsdp_strided_geom_t *geom);
+
+/* Steps: one group (timed), every group with at least min_micro micro-steps (clipping
+ * included), and the lazy trigger. */
+mfsdp_status_t mfsdp_ctx_step_group(struct mfsdp_ctx *ctx, size_t g);
+mfsdp_status_t mfsdp_ctx_step_groups(struct mfsdp_ctx *ctx, int min_micro);
+int mfsdp_ctx_lazy_ready(const struct mfsdp_ctx *ctx);
 
 /* Everything but the transport: plan, schedules, arena. Not collective. */
 mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_t *manifest,

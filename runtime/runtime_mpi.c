@@ -7,9 +7,8 @@
 #include "runtime/ctx.h"
 #include "transport/mpi.h"
 
-mfsdp_status_t mfsdp_ctx_create_mpi(const mfsdp_manifest_t *manifest,
-                                    const mfsdp_ctx_opts_t *opts, MPI_Comm comm,
-                                    mfsdp_ctx_h *ctx_p)
+mfsdp_status_t mfsdp_ctx_create_mpi(const mfsdp_manifest_t *manifest, const mfsdp_ctx_opts_t *opts,
+                                    MPI_Comm comm, mfsdp_ctx_h *ctx_p)
 {
     MFSDP_CHECK_ARG(manifest != NULL && ctx_p != NULL && comm != MPI_COMM_NULL);
     int world = 0;

@@ -1,0 +1,184 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Owner-broadcast all-gather: FSDP's rank-major all-gather buffer filled from the owners
+ * (DESIGN.md section 3), and the initial weights taken from a group's first all-gather.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/checks.h"
+#include "mfsdp/kernels.h"
+#include "runtime/ctx.h"
+
+/* ---------------------------------------------------------------------------------------
+ * All-gather
+ */
+
+void mfsdp_ctx_geom(const mfsdp_buffer_layout_t *b, const mfsdp_param_layout_t *e, int world,
+                    mfsdp_strided_geom_t *geom)
+{
+    geom->world = world;
+    geom->rows = e->rows;
+    geom->rows_per_rank = e->c;
+    geom->row_bytes = e->row_bytes;
+    geom->rank_stride = b->bytes;
+    geom->offset = e->o_bytes;
+}
+
+/* First all-gather of a group: the weights come from each rank's FSDP shard. Owned tensors
+ * are gathered onto their owners (one point-to-point batch), sharded-tail slices are kept. */
+static mfsdp_status_t take_initial_weights(struct mfsdp_ctx *ctx, size_t g, const char *send)
+{
+    const mfsdp_group_sched_t *gs = ctx->groups[g].gs;
+    const mfsdp_buffer_layout_t *ag = &gs->layout->ag;
+    const mfsdp_group_desc_t *gd = &ctx->manifest->groups[g];
+    int n = ctx->world;
+    size_t cap = gs->nsegs * (size_t)n + 1;
+    mfsdp_p2p_t *v = calloc(cap, sizeof(*v));
+    if (v == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    size_t nv = 0;
+    mfsdp_status_t st = MFSDP_OK;
+    for (size_t i = 0; i < gs->nsegs; i++) {
+        const mfsdp_sched_seg_t *s = &gs->segs[i];
+        char *comm = mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_COMM);
+        for (int r = 0; r < n; r++) {
+            mfsdp_piece_t pc;
+            mfsdp_layout_piece(ag, n, s->param, r, &pc);
+            if (pc.valid == 0) {
+                continue;
+            }
+            const char *mine = send + ag->entries[s->param].o_bytes;
+            if (s->owner == ctx->rank && r == ctx->rank) {
+                memcpy(comm + pc.full_offset, mine, pc.valid);
+            } else if (s->owner == ctx->rank) {
+                v[nv++] = (mfsdp_p2p_t){0, r, 2 * (int)i, comm + pc.full_offset, pc.valid};
+            } else if (r == ctx->rank) {
+                v[nv++] = (mfsdp_p2p_t){1, s->owner, 2 * (int)i, (void *)mine, pc.valid};
+            }
+        }
+    }
+    MFSDP_CHECK_GOTO(ctx->tp->ops->p2p(ctx->tp, v, nv), st, out);
+    for (size_t i = 0; i < gs->nsegs; i++) {
+        const mfsdp_sched_seg_t *s = &gs->segs[i];
+        if (s->owner != ctx->rank) {
+            continue;
+        }
+        MFSDP_CHECK_GOTO(mfsdp_cpu_cast(mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_MASTER),
+                                        MFSDP_FLOAT32,
+                                        mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_COMM),
+                                        gd->params[s->param].dtype, s->numel),
+                         st, out);
+    }
+    for (size_t k = 0; k < gs->ntail; k++) {
+        size_t pi = gs->tail[k];
+        size_t shard = ctx->plan->group_first[g] + pi;
+        const mfsdp_param_layout_t *e = &ag->entries[pi];
+        char *comm = mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_COMM);
+        size_t valid = mfsdp_ctx_slice_valid(ctx, e);
+        memcpy(comm, send + e->o_bytes, valid * e->elt);
+        memset(comm + valid * e->elt, 0, e->s_bytes - valid * e->elt);
+        MFSDP_CHECK_GOTO(mfsdp_cpu_cast(mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_MASTER),
+                                        MFSDP_FLOAT32, comm, gd->params[pi].dtype, (size_t)e->s),
+                         st, out);
+    }
+out:
+    free(v);
+    return st;
+}
+
+mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *sendbuf,
+                                   void *recvbuf, size_t count, mfsdp_dtype_t dtype)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    MFSDP_CHECK(mfsdp_ctx_group_check(ctx, group, "allgather"));
+    mfsdp_group_state_t *gst = &ctx->groups[group];
+    const mfsdp_group_sched_t *gs = gst->gs;
+    const mfsdp_buffer_layout_t *ag = &gs->layout->ag;
+    const char *gname = ctx->manifest->groups[group].name;
+    if (dtype != ag->dtype || count != ag->count) {
+        MFSDP_WARN("allgather of group %s: got count %zu of %s, the plan expects %zu of %s", gname,
+                   count, mfsdp_dtype_name(dtype), ag->count, mfsdp_dtype_name(ag->dtype));
+        return MFSDP_ERR_MISMATCH;
+    }
+    if (recvbuf == NULL || (!gst->initialized && sendbuf == NULL && ag->bytes != 0)) {
+        MFSDP_WARN("allgather of group %s: null buffer", gname);
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    size_t total = ag->bytes * (size_t)ctx->world;
+    const char *in_place = (const char *)recvbuf + (size_t)ctx->rank * ag->bytes;
+    if (sendbuf != NULL && (const char *)sendbuf != in_place &&
+        (const char *)sendbuf < (const char *)recvbuf + total &&
+        (const char *)recvbuf < (const char *)sendbuf + ag->bytes) {
+        MFSDP_WARN("allgather of group %s: send buffer overlaps the receive buffer but is not "
+                   "its in-place slot (recv + rank * count)",
+                   gname);
+        return MFSDP_ERR_INVALID_ARG;
+    }
+
+    if (ctx->mode == MFSDP_STEP_LAZY && mfsdp_ctx_lazy_ready(ctx)) {
+        MFSDP_CHECK(mfsdp_ctx_step_groups(ctx, ctx->accum));
+    }
+    if (!gst->initialized) {
+        MFSDP_CHECK(take_initial_weights(ctx, group, sendbuf));
+        gst->initialized = 1;
+    }
+
+    size_t need;
+    mfsdp_tail_bufs_t tb = {0};
+    MFSDP_CHECK(mfsdp_ctx_bind_gather(ctx, group, ctx->stage, &need, &tb));
+    size_t toff = 0;
+    for (size_t k = 0; k < gs->ntail; k++) {
+        size_t pi = gs->tail[k];
+        const mfsdp_param_layout_t *e = &ag->entries[pi];
+        memcpy((char *)tb.send + toff,
+               mfsdp_ctx_slot(ctx, ctx->plan->group_first[group] + pi, MFSDP_ARENA_COMM),
+               e->s_bytes);
+        toff += e->s_bytes;
+    }
+    mfsdp_xfer_t x = {
+        .dir = MFSDP_SCHED_DIR_GATHER,
+        .gs = gs,
+        .ops = &gst->ag_ops,
+        .bufs = gst->bufs,
+        .ag_out = recvbuf,
+        .tail_send = tb.send,
+        .tail_recv = tb.recv,
+        .tail_count = gs->tail_ag_bytes,
+    };
+    MFSDP_CHECK(ctx->tp->ops->run(ctx->tp, &x));
+
+    /* Unpack: one strided copy per tensor (padding rows zeroed), or only the padding for
+     * tensors received in place, and the tail. */
+    for (size_t i = 0; i < gs->nsegs; i++) {
+        const mfsdp_sched_seg_t *s = &gs->segs[i];
+        const void *full = s->owner == ctx->rank                  ? gst->bufs[i].src
+                           : ctx->gather_algo == MFSDP_ALGO_CHAIN ? NULL /* copied out */
+                                                                  : gst->bufs[i].stage;
+        if (full != NULL) {
+            mfsdp_strided_geom_t geom;
+            mfsdp_ctx_geom(ag, &ag->entries[s->param], ctx->world, &geom);
+            MFSDP_CHECK(mfsdp_cpu_unpack(recvbuf, full, &geom));
+            continue;
+        }
+        for (int r = 0; r < ctx->world; r++) {
+            mfsdp_piece_t pc;
+            mfsdp_layout_piece(ag, ctx->world, s->param, r, &pc);
+            memset((char *)recvbuf + pc.buf_offset + pc.valid, 0, pc.pad);
+        }
+    }
+    for (int r = 0; r < ctx->world && gs->ntail != 0 && tb.recv != NULL; r++) {
+        const char *blk = (const char *)tb.recv + (size_t)r * gs->tail_ag_bytes;
+        toff = 0;
+        for (size_t k = 0; k < gs->ntail; k++) {
+            const mfsdp_param_layout_t *e = &ag->entries[gs->tail[k]];
+            memcpy((char *)recvbuf + (size_t)r * ag->bytes + e->o_bytes, blk + toff, e->s_bytes);
+            toff += e->s_bytes;
+        }
+    }
+    ctx->allgathers++;
+    return MFSDP_OK;
+}

@@ -1,0 +1,361 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Context set-up (plan, schedules, arena), teardown, checks and getters.
+ * Communicator-specific creation lives in runtime_mpi.c.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/checks.h"
+#include "core/config.h"
+#include "kernels/cpu/gemm.h"
+#include "mfsdp/kernels.h"
+#include "runtime/ctx.h"
+
+/* ---------------------------------------------------------------------------------------
+ * Context checks
+ */
+
+mfsdp_status_t mfsdp_ctx_check(const struct mfsdp_ctx *ctx)
+{
+    if (ctx == NULL) {
+        MFSDP_WARN("context is null (destroyed or never created)");
+        return MFSDP_ERR_STATE;
+    }
+    if (ctx->magic != MFSDP_CTX_MAGIC) {
+        MFSDP_WARN("context %p is not a live mfsdp context (destroyed?)", (const void *)ctx);
+        return MFSDP_ERR_STATE;
+    }
+    return MFSDP_OK;
+}
+
+mfsdp_status_t mfsdp_ctx_group_check(const struct mfsdp_ctx *ctx, size_t group, const char *what)
+{
+    if (group >= ctx->manifest->ngroups) {
+        MFSDP_WARN("%s: group index %zu out of range (the manifest has %zu groups)", what, group,
+                   ctx->manifest->ngroups);
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    return MFSDP_OK;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Creation (local part)
+ */
+
+static mfsdp_algo_t resolve_algo(mfsdp_algo_t opt, int cfg, int world)
+{
+    if (opt != MFSDP_ALGO_AUTO) {
+        return opt;
+    }
+    switch (cfg) {
+    case MFSDP_CFG_ALGO_DIRECT:
+        return MFSDP_ALGO_DIRECT;
+    case MFSDP_CFG_ALGO_CHAIN:
+        return MFSDP_ALGO_CHAIN;
+    case MFSDP_CFG_ALGO_NATIVE:
+        return MFSDP_ALGO_NATIVE;
+    default:
+        break;
+    }
+    /* Provisional until the perf harness measures the crossover: the fixed-order direct
+     * reduction within a node-sized world, the pipelined chain (the ring's traffic) above. */
+    return world <= 8 ? MFSDP_ALGO_DIRECT : MFSDP_ALGO_CHAIN;
+}
+
+static void resolve_hparams(const mfsdp_config_t *cfg, mfsdp_hparams_t *hp)
+{
+    if (cfg->lr_set)
+        hp->lr = cfg->lr;
+    if (cfg->momentum_set)
+        hp->momentum = cfg->momentum;
+    if (cfg->ns_steps_set)
+        hp->ns_steps = (int)cfg->ns_steps;
+    if (cfg->weight_decay_set)
+        hp->weight_decay = cfg->weight_decay;
+    if (cfg->nesterov_set)
+        hp->nesterov = cfg->nesterov;
+    if (cfg->scale_set)
+        hp->scale = cfg->scale == 1 ? MFSDP_SCALE_MOONLIGHT : MFSDP_SCALE_KELLER;
+    if (cfg->adamw_lr_set)
+        hp->adamw_lr = cfg->adamw_lr;
+    if (cfg->adamw_weight_decay_set)
+        hp->adamw_weight_decay = cfg->adamw_weight_decay;
+}
+
+static mfsdp_status_t build_ops(struct mfsdp_ctx *ctx, mfsdp_group_state_t *gst)
+{
+    MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_GATHER, ctx->gather_algo,
+                                  ctx->chunk, &gst->ag_ops));
+    MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_REDUCE, ctx->reduce_algo,
+                                  ctx->chunk, &gst->rs_ops));
+    return MFSDP_OK;
+}
+
+mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_t *manifest,
+                                    const mfsdp_ctx_opts_t *opts)
+{
+    static const mfsdp_ctx_opts_t defaults;
+    const mfsdp_config_t *cfg;
+    if (opts == NULL) {
+        opts = &defaults;
+    }
+    MFSDP_CHECK(mfsdp_config_get(&cfg));
+    ctx->manifest = manifest;
+    ctx->hp = manifest->hp;
+    resolve_hparams(cfg, &ctx->hp);
+    ctx->gather_algo = resolve_algo(opts->gather_algo, cfg->gather_algo, ctx->world);
+    ctx->reduce_algo = resolve_algo(opts->reduce_algo, cfg->reduce_algo, ctx->world);
+    ctx->chunk = opts->chain_chunk != 0 ? opts->chain_chunk : cfg->chain_chunk;
+    if (ctx->chunk < sizeof(float)) {
+        MFSDP_WARN("chain chunk of %zu bytes is too small (at least %zu)", ctx->chunk,
+                   sizeof(float));
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    ctx->accum = opts->accum_steps > 0 ? opts->accum_steps : (int)cfg->accum_steps;
+    if (cfg->threads_set) {
+        mfsdp_gemm_set_threads((int)cfg->threads); /* MFSDP_THREADS: process-wide BLAS */
+    }
+    ctx->clip = opts->has_clip ? opts->clip : cfg->clip;
+    if (!(ctx->clip >= 0.0) || !isfinite(ctx->clip)) {
+        MFSDP_WARN("clipping threshold %g must be finite and >= 0", ctx->clip);
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    if (opts->has_step_mode) {
+        ctx->mode = opts->step_mode;
+    } else if (cfg->step_set) {
+        ctx->mode = cfg->step == MFSDP_CFG_STEP_LAZY ? MFSDP_STEP_LAZY : MFSDP_STEP_EAGER;
+    } else {
+        ctx->mode = ctx->clip > 0.0 ? MFSDP_STEP_LAZY : MFSDP_STEP_EAGER;
+    }
+    if (ctx->mode != MFSDP_STEP_EAGER && ctx->mode != MFSDP_STEP_LAZY) {
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    if (ctx->clip > 0.0 && ctx->mode == MFSDP_STEP_EAGER) {
+        MFSDP_WARN("gradient clipping (%g) needs the lazy step: the global norm is known only "
+                   "when every group's reduce has landed (set MFSDP_STEP=lazy)",
+                   ctx->clip);
+        return MFSDP_ERR_INVALID_ARG;
+    }
+
+    /* The plan: a pure function of (manifest, world, options), identical on every rank. */
+    if (opts->plan != NULL) {
+        ctx->plan = opts->plan;
+    } else {
+        mfsdp_plan_opts_t po;
+        if (opts->has_plan_opts) {
+            po = opts->plan_opts;
+        } else {
+            memset(&po, 0, sizeof(po));
+            po.tail = cfg->tail == MFSDP_CFG_TAIL_OWNER   ? MFSDP_TAIL_OWNER
+                      : cfg->tail == MFSDP_CFG_TAIL_SHARD ? MFSDP_TAIL_SHARD
+                                                          : MFSDP_TAIL_AUTO;
+            po.mem_limit = cfg->mem_limit;
+            po.no_spread = !cfg->spread;
+        }
+        MFSDP_CHECK(mfsdp_plan_create(manifest, ctx->world, &po, &ctx->own_plan));
+        ctx->plan = ctx->own_plan;
+    }
+    if (ctx->plan->world != ctx->world || ctx->plan->manifest != manifest) {
+        MFSDP_WARN("the plan is for world size %d and %s manifest; the communicator has %d "
+                   "ranks",
+                   ctx->plan->world, ctx->plan->manifest == manifest ? "this" : "another",
+                   ctx->world);
+        return MFSDP_ERR_MISMATCH;
+    }
+
+    /* Schedules and op lists per group. */
+    size_t ng = manifest->ngroups;
+    ctx->groups = calloc(ng, sizeof(*ctx->groups));
+    if (ctx->groups == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    for (size_t g = 0; g < ng; g++) {
+        mfsdp_group_state_t *gst = &ctx->groups[g];
+        MFSDP_CHECK(mfsdp_group_sched_create(ctx->plan, g, &gst->gs));
+        gst->bufs = calloc(gst->gs->nsegs + 1, sizeof(*gst->bufs));
+        if (gst->bufs == NULL) {
+            return MFSDP_ERR_NO_MEMORY;
+        }
+        MFSDP_CHECK(build_ops(ctx, gst));
+    }
+
+    /* Arena: tensors by category, then staging (largest group call) and the workspace. */
+    mfsdp_arena_sizes_t sizes;
+    ctx->slots = calloc(ctx->plan->nshards + 1, sizeof(*ctx->slots));
+    if (ctx->slots == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    MFSDP_CHECK(mfsdp_arena_layout(ctx->plan, ctx->rank, ctx->slots, &sizes));
+    size_t stage = 0;
+    for (size_t g = 0; g < ng; g++) {
+        size_t need_ag, need_rs;
+        mfsdp_tail_bufs_t tb;
+        MFSDP_CHECK(mfsdp_ctx_bind_gather(ctx, g, NULL, &need_ag, &tb));
+        MFSDP_CHECK(mfsdp_ctx_bind_reduce(ctx, g, NULL, &need_rs, &tb));
+        stage = need_ag > stage ? need_ag : stage;
+        stage = need_rs > stage ? need_rs : stage;
+    }
+    size_t ws = 0;
+    for (size_t i = 0; i < ctx->plan->nshards; i++) {
+        const mfsdp_shard_t *sh = &ctx->plan->shards[i];
+        if (sh->owner == ctx->rank && sh->role == MFSDP_ROLE_MUON) {
+            size_t w = mfsdp_muon_workspace_elems(sh->rows, sh->cols);
+            if (w == 0) {
+                MFSDP_WARN("no muon workspace size for a %lld x %lld matrix", (long long)sh->rows,
+                           (long long)sh->cols);
+                return MFSDP_ERR_OVERFLOW;
+            }
+            ws = w > ws ? w : ws;
+        }
+    }
+    stage = (stage + MFSDP_ARENA_ALIGN - 1) & ~(size_t)(MFSDP_ARENA_ALIGN - 1);
+    size_t scratch;
+    if (mfsdp_mul_overflow(ws, sizeof(float), &scratch) ||
+        mfsdp_add_overflow(scratch, stage, &scratch)) {
+        return MFSDP_ERR_OVERFLOW;
+    }
+    mfsdp_arena_opts_t ao = {.mlock = cfg->mlock && !opts->no_mlock, .numa_bind = cfg->numa_bind};
+    MFSDP_CHECK(mfsdp_arena_create(&sizes, scratch, &ao, &ctx->arena));
+    ctx->stage = mfsdp_arena_scratch(ctx->arena);
+    ctx->stage_bytes = stage;
+    ctx->ws = ws != 0 ? (float *)(ctx->stage + stage) : NULL;
+    ctx->ws_elems = ws;
+    ctx->last_norm = -1.0;
+    mfsdp_arena_report(ctx->arena, ctx->rank);
+    MFSDP_INFO(RUNTIME,
+               "rank %d/%d: %zu groups, gather %d, reduce %d, chunk %zu, %s step, accum %d, "
+               "clip %g, arena peak %zu bytes",
+               ctx->rank, ctx->world, ng, (int)ctx->gather_algo, (int)ctx->reduce_algo, ctx->chunk,
+               ctx->mode == MFSDP_STEP_LAZY ? "lazy" : "eager", ctx->accum, ctx->clip,
+               mfsdp_arena_peak_bytes(ctx->arena));
+    return MFSDP_OK;
+}
+
+void mfsdp_ctx_free(struct mfsdp_ctx *ctx)
+{
+    if (ctx == NULL) {
+        return;
+    }
+    ctx->magic = 0;
+    if (ctx->groups != NULL) {
+        for (size_t g = 0; g < ctx->manifest->ngroups; g++) {
+            mfsdp_group_state_t *gst = &ctx->groups[g];
+            mfsdp_sched_ops_free(&gst->ag_ops);
+            mfsdp_sched_ops_free(&gst->rs_ops);
+            mfsdp_group_sched_destroy(gst->gs);
+            free(gst->bufs);
+        }
+    }
+    free(ctx->groups);
+    free(ctx->slots);
+    mfsdp_arena_destroy(ctx->arena);
+    mfsdp_plan_destroy(ctx->own_plan);
+    if (ctx->tp != NULL) {
+        ctx->tp->ops->destroy(ctx->tp);
+    }
+    free(ctx);
+}
+
+void mfsdp_ctx_destroy(mfsdp_ctx_h *ctx_p)
+{
+    if (ctx_p == NULL || *ctx_p == NULL) {
+        return;
+    }
+    if ((*ctx_p)->magic != MFSDP_CTX_MAGIC) {
+        MFSDP_WARN("mfsdp_ctx_destroy: %p is not a live context; ignored", (void *)*ctx_p);
+        return;
+    }
+    mfsdp_ctx_free(*ctx_p);
+    *ctx_p = NULL;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Getters
+ */
+
+mfsdp_status_t mfsdp_ctx_get_param(mfsdp_ctx_h ctx, const char *name, mfsdp_param_view_t *view_p)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    MFSDP_CHECK_ARG(name != NULL && view_p != NULL);
+    const mfsdp_manifest_t *m = ctx->manifest;
+    for (size_t g = 0; g < m->ngroups; g++) {
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            const mfsdp_param_desc_t *p = &m->groups[g].params[i];
+            if (strcmp(p->name, name) != 0) {
+                continue;
+            }
+            size_t shard = ctx->plan->group_first[g] + i;
+            const mfsdp_shard_t *sh = &ctx->plan->shards[shard];
+            const mfsdp_param_layout_t *e = &ctx->groups[g].gs->layout->ag.entries[i];
+            mfsdp_param_view_t v;
+            memset(&v, 0, sizeof(v));
+            v.group = g;
+            v.param = i;
+            v.role = sh->role;
+            v.owner = sh->owner;
+            v.initialized = ctx->groups[g].initialized;
+            v.dtype = p->dtype;
+            v.ndim = p->ndim;
+            memcpy(v.shape, p->shape, sizeof(v.shape));
+            v.rows = sh->rows;
+            v.cols = sh->cols;
+            v.numel = p->numel;
+            v.local_elems = ctx->slots[shard].elems;
+            v.local = v.local_elems != 0;
+            if (sh->owner == MFSDP_OWNER_SHARDED) {
+                v.local_offset = (size_t)ctx->rank * (size_t)e->c * (size_t)e->rest;
+                v.local_valid = mfsdp_ctx_slice_valid(ctx, e);
+            } else {
+                v.local_valid = v.local_elems;
+            }
+            if (v.local) {
+                v.master = mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_MASTER);
+                v.grad = mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_GRAD);
+                v.comm = mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_COMM);
+            }
+            *view_p = v;
+            return MFSDP_OK;
+        }
+    }
+    MFSDP_WARN("no parameter named '%s' in the manifest", name);
+    return MFSDP_ERR_NOT_FOUND;
+}
+
+mfsdp_status_t mfsdp_ctx_get_stats(mfsdp_ctx_h ctx, mfsdp_ctx_stats_t *stats_p)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    MFSDP_CHECK_ARG(stats_p != NULL);
+    mfsdp_ctx_stats_t s;
+    memset(&s, 0, sizeof(s));
+    mfsdp_arena_sizes_t sizes;
+    mfsdp_arena_sizes(ctx->arena, &sizes);
+    s.rank = ctx->rank;
+    s.world = ctx->world;
+    memcpy(s.arena_bytes, sizes.cat, sizeof(s.arena_bytes));
+    s.staging_bytes = mfsdp_arena_scratch_bytes(ctx->arena);
+    s.peak_bytes = mfsdp_arena_peak_bytes(ctx->arena);
+    s.mlocked = mfsdp_arena_locked(ctx->arena);
+    s.numa_node = mfsdp_arena_numa_node(ctx->arena);
+    s.steps = ctx->steps;
+    s.step_seconds = ctx->step_seconds;
+    s.allgathers = ctx->allgathers;
+    s.reduces = ctx->reduces;
+    s.last_grad_norm = ctx->last_norm;
+    s.gather_algo = ctx->gather_algo;
+    s.reduce_algo = ctx->reduce_algo;
+    s.step_mode = ctx->mode;
+    s.accum_steps = ctx->accum;
+    *stats_p = s;
+    return MFSDP_OK;
+}
+
+mfsdp_status_t mfsdp_ctx_get_plan(mfsdp_ctx_h ctx, const mfsdp_plan_t **plan_p)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    MFSDP_CHECK_ARG(plan_p != NULL);
+    *plan_p = ctx->plan;
+    return MFSDP_OK;
+}

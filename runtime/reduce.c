@@ -1,0 +1,139 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Reduce-to-owner: FSDP's reduce-scatter replaced by each owner receiving the op-reduced
+ * full gradient of the tensors it owns; sharded-tail slices reduced onto their ranks.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/checks.h"
+#include "mfsdp/kernels.h"
+#include "runtime/ctx.h"
+
+/* ---------------------------------------------------------------------------------------
+ * Reduce
+ */
+
+mfsdp_status_t mfsdp_ctx_reduce(mfsdp_ctx_h ctx, size_t group, const void *sendbuf, void *recvbuf,
+                                size_t recvcount, mfsdp_dtype_t dtype, mfsdp_redop_t op,
+                                double scalar)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    MFSDP_CHECK(mfsdp_ctx_group_check(ctx, group, "reduce"));
+    mfsdp_group_state_t *gst = &ctx->groups[group];
+    const mfsdp_group_sched_t *gs = gst->gs;
+    const mfsdp_buffer_layout_t *rs = &gs->layout->rs;
+    const char *gname = ctx->manifest->groups[group].name;
+    int n = ctx->world;
+    if (op != MFSDP_OP_SUM && op != MFSDP_OP_AVG && op != MFSDP_OP_PREMULSUM) {
+        MFSDP_WARN("reduce of group %s: unknown reduction op %d", gname, (int)op);
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    if (op == MFSDP_OP_PREMULSUM && !isfinite(scalar)) {
+        MFSDP_WARN("reduce of group %s: premulsum scalar %g is not finite", gname, scalar);
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    if (dtype != rs->dtype || recvcount != rs->count) {
+        MFSDP_WARN("reduce of group %s: got count %zu of %s, the plan expects %zu of %s", gname,
+                   recvcount, mfsdp_dtype_name(dtype), rs->count, mfsdp_dtype_name(rs->dtype));
+        return MFSDP_ERR_MISMATCH;
+    }
+    if (rs->bytes != 0 && (sendbuf == NULL || recvbuf == NULL)) {
+        MFSDP_WARN("reduce of group %s: null buffer", gname);
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    if (rs->bytes != 0 && (const char *)recvbuf < (const char *)sendbuf + rs->bytes * (size_t)n &&
+        (const char *)sendbuf < (const char *)recvbuf + rs->bytes) {
+        MFSDP_WARN("reduce of group %s: the output overlaps the input", gname);
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    if (rs->nentries == 0) {
+        ctx->reduces++;
+        return MFSDP_OK;
+    }
+
+    size_t need;
+    mfsdp_tail_bufs_t tb = {0};
+    MFSDP_CHECK(mfsdp_ctx_bind_reduce(ctx, group, ctx->stage, &need, &tb));
+    float sc = op == MFSDP_OP_PREMULSUM ? (float)scalar : 1.0f;
+
+    /* Direct: own contributions (each tensor's full local gradient) packed once. */
+    for (size_t i = 0; i < gs->nsegs; i++) {
+        const mfsdp_sched_seg_t *s = &gs->segs[i];
+        if (s->rs_entry < 0 || gst->bufs[i].src == NULL) {
+            continue;
+        }
+        mfsdp_strided_geom_t geom;
+        mfsdp_ctx_geom(rs, &rs->entries[s->rs_entry], n, &geom);
+        MFSDP_CHECK(mfsdp_cpu_pack(gst->bufs[i].src, sendbuf, &geom));
+    }
+    /* Sharded tail: rank-major fp32 blocks with the premul factor applied. */
+    if (tb.send != NULL) {
+        float *dst = tb.send;
+        for (int r = 0; r < n; r++) {
+            for (size_t k = 0; k < gs->ntail; k++) {
+                long e = gs->layout->rs_entry[gs->tail[k]];
+                if (e < 0) {
+                    continue;
+                }
+                const mfsdp_param_layout_t *pe = &rs->entries[e];
+                const char *src = (const char *)sendbuf + (size_t)r * rs->bytes + pe->o_bytes;
+                MFSDP_CHECK(mfsdp_xfer_combine(dst, NULL, src, dtype, (size_t)pe->s, op, sc));
+                dst += pe->s;
+            }
+        }
+    }
+    mfsdp_xfer_t x = {
+        .dir = MFSDP_SCHED_DIR_REDUCE,
+        .gs = gs,
+        .ops = &gst->rs_ops,
+        .bufs = gst->bufs,
+        .dtype = dtype,
+        .op = op,
+        .scalar = sc,
+        .rs_in = sendbuf,
+        .tail_send = tb.send,
+        .tail_recv = tb.recv,
+        .tail_count = gs->tail_rs_elems,
+    };
+    MFSDP_CHECK(ctx->tp->ops->run(ctx->tp, &x));
+
+    /* FSDP's output shard: zero for owner-managed bytes, the reduced slice for the tail. */
+    for (size_t i = 0; i < gs->nsegs; i++) {
+        long e = gs->segs[i].rs_entry;
+        if (e >= 0) {
+            memset((char *)recvbuf + rs->entries[e].o_bytes, 0, rs->entries[e].s_bytes);
+        }
+    }
+    const float *sum = tb.recv;
+    for (size_t k = 0; k < gs->ntail; k++) {
+        size_t pi = gs->tail[k];
+        long e = gs->layout->rs_entry[pi];
+        if (e < 0) {
+            continue;
+        }
+        const mfsdp_param_layout_t *pe = &rs->entries[e];
+        size_t shard = ctx->plan->group_first[group] + pi;
+        float *grad = mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_GRAD);
+        MFSDP_CHECK(mfsdp_xfer_apply(grad, sum, (size_t)pe->s, op, n));
+        /* The value FSDP's native collective would have produced, in the reduce dtype
+         * (the send staging is free again and at least world times this size). */
+        float *val = tb.send;
+        for (size_t j = 0; j < (size_t)pe->s; j++) {
+            val[j] = op == MFSDP_OP_AVG ? sum[j] / (float)n : sum[j];
+        }
+        MFSDP_CHECK(mfsdp_cpu_cast((char *)recvbuf + pe->o_bytes, dtype, val, MFSDP_FLOAT32,
+                                   (size_t)pe->s));
+        sum += pe->s;
+    }
+    ctx->reduces++;
+    if (gst->micro < ctx->accum) {
+        gst->micro++;
+    }
+    if (ctx->mode == MFSDP_STEP_EAGER && gst->micro >= ctx->accum) {
+        MFSDP_CHECK(mfsdp_ctx_step_group(ctx, group)); /* eager: no clipping, no collective */
+    }
+    return MFSDP_OK;
+}

@@ -1,0 +1,140 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Staging of one group call: buffers carved from the arena's scratch region. The same
+ * functions size the region at creation (base == NULL) and bind the buffers of one call.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/checks.h"
+#include "mfsdp/kernels.h"
+#include "runtime/ctx.h"
+
+typedef struct carver {
+    char *base;
+    size_t used;
+    int overflow;
+} carver_t;
+
+static void *carve(carver_t *c, size_t bytes)
+{
+    size_t start = (c->used + MFSDP_ARENA_ALIGN - 1) & ~(size_t)(MFSDP_ARENA_ALIGN - 1);
+    size_t end;
+    if (start < c->used || mfsdp_add_overflow(start, bytes, &end)) {
+        c->overflow = 1;
+        return NULL;
+    }
+    c->used = end;
+    return c->base != NULL && bytes != 0 ? c->base + start : NULL;
+}
+
+static size_t mul_sat(carver_t *c, size_t a, size_t b)
+{
+    size_t r;
+    if (mfsdp_mul_overflow(a, b, &r)) {
+        c->overflow = 1;
+        return 0;
+    }
+    return r;
+}
+
+mfsdp_status_t mfsdp_ctx_bind_gather(struct mfsdp_ctx *ctx, size_t g, char *base, size_t *need_p,
+                                     mfsdp_tail_bufs_t *tail)
+{
+    mfsdp_group_state_t *gst = &ctx->groups[g];
+    const mfsdp_group_sched_t *gs = gst->gs;
+    carver_t c = {.base = base};
+    for (size_t i = 0; i < gs->nsegs; i++) {
+        const mfsdp_sched_seg_t *s = &gs->segs[i];
+        mfsdp_xfer_bufs_t *b = &gst->bufs[i];
+        memset(b, 0, sizeof(*b));
+        if (s->owner == ctx->rank) {
+            b->src = mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_COMM);
+        } else if (ctx->gather_algo == MFSDP_ALGO_CHAIN) {
+            /* A ring of chunks: each is copied out and forwarded from there. */
+            b->stage = carve(&c, mfsdp_sched_ring(s->ag_bytes, ctx->chunk));
+        } else if (s->ag_bytes > MFSDP_SCHED_MAX_MSG) {
+            /* Too large for one in-place receive: staged, then unpacked. */
+            b->stage = carve(&c, s->ag_bytes);
+        }
+    }
+    if (gs->tail_ag_bytes != 0) {
+        /* Own slices packed (they are not contiguous in the arena); the all-gather lands
+         * straight in FSDP's output (tail->recv stays NULL). */
+        tail->send = carve(&c, gs->tail_ag_bytes);
+        tail->recv = NULL;
+    }
+    if (c.overflow) {
+        return MFSDP_ERR_OVERFLOW;
+    }
+    *need_p = c.used;
+    return MFSDP_OK;
+}
+
+mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, char *base, size_t *need_p,
+                                     mfsdp_tail_bufs_t *tail)
+{
+    mfsdp_group_state_t *gst = &ctx->groups[g];
+    const mfsdp_group_sched_t *gs = gst->gs;
+    size_t elt = mfsdp_dtype_size(gs->layout->rs.dtype);
+    size_t n = (size_t)ctx->world;
+    carver_t c = {.base = base};
+    for (size_t i = 0; i < gs->nsegs; i++) {
+        const mfsdp_sched_seg_t *s = &gs->segs[i];
+        mfsdp_xfer_bufs_t *b = &gst->bufs[i];
+        memset(b, 0, sizeof(*b));
+        if (s->rs_entry < 0) {
+            continue;
+        }
+        int own = s->owner == ctx->rank;
+        size_t fbytes = mul_sat(&c, s->numel, sizeof(float));
+        if (ctx->reduce_algo == MFSDP_ALGO_DIRECT) {
+            /* Sent as one message (or summed from one slot): packed once. Chain and native
+             * read the contribution in place from FSDP's buffer. */
+            b->src = carve(&c, mul_sat(&c, s->numel, elt));
+        }
+        if (own) {
+            b->grad = mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_GRAD);
+        }
+        switch (ctx->reduce_algo) {
+        case MFSDP_ALGO_DIRECT:
+            if (own) {
+                b->stage = carve(&c, mul_sat(&c, mul_sat(&c, s->numel, elt), n));
+            }
+            break;
+        case MFSDP_ALGO_CHAIN: {
+            /* A chunk is received, has the own contribution added in place and is sent
+             * on from the same memory: one fp32 ring serves as PIN and POUT. */
+            size_t ring =
+                mul_sat(&c, mfsdp_sched_ring(s->numel, ctx->chunk / sizeof(float)), sizeof(float));
+            b->pin = carve(&c, ring);
+            b->pout = b->pin;
+            if (own) {
+                b->final = carve(&c, ring);
+            }
+            break;
+        }
+        default:
+            b->pout = carve(&c, fbytes);
+            if (own) {
+                b->final = carve(&c, fbytes);
+            }
+            break;
+        }
+    }
+    tail->send = tail->recv = NULL;
+    if (gs->tail_rs_elems != 0) {
+        /* Packed rank-major fp32 blocks: MPI cannot sum 16-bit floats, and Open MPI 4.1
+         * refuses MPI_SUM on a derived datatype that would address FSDP's buffer in place. */
+        size_t tb = mul_sat(&c, gs->tail_rs_elems, sizeof(float));
+        tail->send = carve(&c, mul_sat(&c, tb, n));
+        tail->recv = carve(&c, tb);
+    }
+    if (c.overflow) {
+        return MFSDP_ERR_OVERFLOW;
+    }
+    *need_p = c.used;
+    return MFSDP_OK;
+}

@@ -1,0 +1,217 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The owner-side optimizer step: Muon on owned matrices, AdamW on the tail, clipping,
+ * eager and lazy triggers.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/checks.h"
+#include "mfsdp/kernels.h"
+#include "runtime/ctx.h"
+
+/* ---------------------------------------------------------------------------------------
+ * Optimizer step
+ */
+
+/* Visit every local gradient of group g: fn(grad, elems, arg). */
+typedef mfsdp_status_t (*grad_fn)(float *grad, size_t elems, void *arg);
+
+static mfsdp_status_t for_each_grad(struct mfsdp_ctx *ctx, size_t g, grad_fn fn, void *arg)
+{
+    const mfsdp_group_sched_t *gs = ctx->groups[g].gs;
+    for (size_t i = 0; i < gs->nsegs; i++) {
+        const mfsdp_sched_seg_t *s = &gs->segs[i];
+        float *grad =
+            s->owner == ctx->rank ? mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_GRAD) : NULL;
+        if (grad != NULL) {
+            MFSDP_CHECK(fn(grad, s->numel, arg));
+        }
+    }
+    for (size_t k = 0; k < gs->ntail; k++) {
+        size_t shard = ctx->plan->group_first[g] + gs->tail[k];
+        float *grad = mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_GRAD);
+        if (grad != NULL) {
+            MFSDP_CHECK(fn(grad, ctx->slots[shard].elems, arg));
+        }
+    }
+    return MFSDP_OK;
+}
+
+static mfsdp_status_t sq_fn(float *grad, size_t n, void *arg)
+{
+    return mfsdp_cpu_sqnorm_accumulate(grad, n, (double *)arg);
+}
+
+static mfsdp_status_t scale_fn(float *grad, size_t n, void *arg)
+{
+    float c = *(const float *)arg;
+    for (size_t i = 0; i < n; i++) {
+        grad[i] *= c;
+    }
+    return MFSDP_OK;
+}
+
+static mfsdp_status_t zero_fn(float *grad, size_t n, void *arg)
+{
+    (void)arg;
+    memset(grad, 0, n * sizeof(float));
+    return MFSDP_OK;
+}
+
+static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g)
+{
+    mfsdp_group_state_t *gst = &ctx->groups[g];
+    const mfsdp_group_desc_t *gd = &ctx->manifest->groups[g];
+    const mfsdp_group_sched_t *gs = gst->gs;
+    if (!gst->initialized) {
+        MFSDP_WARN("group %s: optimizer step before its first all-gather (no weights yet)",
+                   gd->name);
+        return MFSDP_ERR_STATE;
+    }
+    int64_t t = gst->nsteps + 1;
+    double lr_scale = gd->lr_scale;
+    mfsdp_muon_hp_t mh = {
+        .lr = (float)(ctx->hp.lr * lr_scale),
+        .momentum = (float)ctx->hp.momentum,
+        .weight_decay = (float)(gd->has_weight_decay ? gd->weight_decay : ctx->hp.weight_decay),
+        .nesterov = ctx->hp.nesterov,
+        .ns_steps = ctx->hp.ns_steps,
+        .scale = ctx->hp.scale,
+    };
+    mfsdp_adamw_hp_t ah = {
+        .lr = (float)(ctx->hp.adamw_lr * lr_scale),
+        .beta1 = (float)ctx->hp.adamw_beta1,
+        .beta2 = (float)ctx->hp.adamw_beta2,
+        .eps = (float)ctx->hp.adamw_eps,
+        .weight_decay =
+            (float)(gd->has_weight_decay ? gd->weight_decay : ctx->hp.adamw_weight_decay),
+    };
+    for (size_t i = 0; i < gs->nsegs; i++) {
+        const mfsdp_sched_seg_t *s = &gs->segs[i];
+        if (s->owner != ctx->rank || s->rs_entry < 0) {
+            continue; /* not ours, or frozen: torch's optimizers skip params without grad */
+        }
+        const mfsdp_shard_t *sh = &ctx->plan->shards[s->shard];
+        const mfsdp_param_desc_t *p = mfsdp_ctx_shard_param(ctx, s->shard);
+        float *w = mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_MASTER);
+        float *grad = mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_GRAD);
+        void *comm = mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_COMM);
+        if (sh->role == MFSDP_ROLE_MUON) {
+            MFSDP_CHECK(mfsdp_cpu_muon_update(
+                w, mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_MOMENTUM), grad, comm, p->dtype,
+                sh->rows, sh->cols, p->nsplit, p->split, &mh, ctx->ws, ctx->ws_elems));
+        } else {
+            MFSDP_CHECK(mfsdp_cpu_adamw_update(w, mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_ADAM_M),
+                                               mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_ADAM_V),
+                                               grad, comm, p->dtype, s->numel, t, &ah));
+        }
+    }
+    for (size_t k = 0; k < gs->ntail; k++) {
+        size_t pi = gs->tail[k];
+        size_t shard = ctx->plan->group_first[g] + pi;
+        float *grad = mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_GRAD);
+        size_t valid = mfsdp_ctx_slice_valid(ctx, &gs->layout->ag.entries[pi]);
+        if (grad == NULL || valid == 0) {
+            continue;
+        }
+        /* Only the real rows: padding stays exactly zero, as FSDP keeps it. */
+        MFSDP_CHECK(mfsdp_cpu_adamw_update(mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_MASTER),
+                                           mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_ADAM_M),
+                                           mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_ADAM_V), grad,
+                                           mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_COMM),
+                                           gd->params[pi].dtype, valid, t, &ah));
+    }
+    MFSDP_CHECK(for_each_grad(ctx, g, zero_fn, NULL));
+    gst->micro = 0;
+    gst->nsteps = t;
+    ctx->steps++;
+    return MFSDP_OK;
+}
+
+/* Step every group selected by min_micro (groups with at least that many accumulated
+ * micro-steps). With clipping: one scalar all-reduce of the squared norm over them. The
+ * selection depends only on call counts, identical on every rank. */
+/* step_group_run() with its wall time added to ctx->step_seconds (mfsdp_ctx_stats_t). */
+mfsdp_status_t mfsdp_ctx_step_group(struct mfsdp_ctx *ctx, size_t g)
+{
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    mfsdp_status_t st = step_group_run(ctx, g);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    ctx->step_seconds += (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    return st;
+}
+
+mfsdp_status_t mfsdp_ctx_step_groups(struct mfsdp_ctx *ctx, int min_micro)
+{
+    size_t ng = ctx->manifest->ngroups;
+    size_t nsel = 0;
+    for (size_t g = 0; g < ng; g++) {
+        nsel += ctx->groups[g].micro >= min_micro;
+    }
+    if (nsel == 0) {
+        return MFSDP_OK;
+    }
+    if (ctx->clip > 0.0) {
+        double sq = 0.0;
+        for (size_t g = 0; g < ng; g++) {
+            if (ctx->groups[g].micro >= min_micro) {
+                MFSDP_CHECK(for_each_grad(ctx, g, sq_fn, &sq));
+            }
+        }
+        MFSDP_CHECK(ctx->tp->ops->allreduce_sum(ctx->tp, &sq));
+        double norm = sqrt(sq);
+        double coef = ctx->clip / (norm + 1e-6);
+        ctx->last_norm = norm;
+        if (coef < 1.0) {
+            float c = (float)coef;
+            for (size_t g = 0; g < ng; g++) {
+                if (ctx->groups[g].micro >= min_micro) {
+                    MFSDP_CHECK(for_each_grad(ctx, g, scale_fn, &c));
+                }
+            }
+        }
+    }
+    for (size_t g = 0; g < ng; g++) {
+        if (ctx->groups[g].micro >= min_micro) {
+            MFSDP_CHECK(mfsdp_ctx_step_group(ctx, g));
+        }
+    }
+    return MFSDP_OK;
+}
+
+/* Lazy trigger: every group that reduces has completed its accumulation window. */
+int mfsdp_ctx_lazy_ready(const struct mfsdp_ctx *ctx)
+{
+    int any = 0;
+    for (size_t g = 0; g < ctx->manifest->ngroups; g++) {
+        const mfsdp_group_state_t *gst = &ctx->groups[g];
+        if (gst->gs->layout->rs.nentries == 0) {
+            continue;
+        }
+        if (gst->micro < ctx->accum) {
+            return 0;
+        }
+        any = 1;
+    }
+    return any;
+}
+
+mfsdp_status_t mfsdp_ctx_step(mfsdp_ctx_h ctx)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    return mfsdp_ctx_step_groups(ctx, 1);
+}
+
+mfsdp_status_t mfsdp_ctx_flush(mfsdp_ctx_h ctx)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    if (ctx->mode != MFSDP_STEP_LAZY) {
+        return MFSDP_OK;
+    }
+    return mfsdp_ctx_step_groups(ctx, ctx->accum);
+}
