@@ -86,8 +86,8 @@ mfsdp_status_t mfsdp_arena_layout(const mfsdp_plan_t *plan, int rank, mfsdp_aren
         slot.elems = 0;
         if (sh->owner == rank) {
             slot.elems = (size_t)sh->numel;
-        } else if (sh->owner == MFSDP_OWNER_SHARDED) {
-            slot.elems = (size_t)sh->fsdp_s;
+        } else if (sh->owner == MFSDP_OWNER_SHARDED && plan->tail != MFSDP_TAIL_JOB) {
+            slot.elems = (size_t)sh->fsdp_s; /* tail "job": the job keeps its slices */
         }
         if (slot.elems != 0) {
             size_t elt = mfsdp_dtype_size(p->dtype);

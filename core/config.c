@@ -25,8 +25,13 @@ typedef struct cfg_entry {
 } cfg_entry_t;
 
 static const cfg_entry_t cfg_table[] = {
-#define MFSDP_CFG_ENTRY(type, NAME, field, def, choices, help)                                \
-    {CFG_##type, #NAME, def, choices, help, offsetof(mfsdp_config_t, field),                  \
+#define MFSDP_CFG_ENTRY(type, NAME, field, def, choices, help)                                     \
+    {CFG_##type,                                                                                   \
+     #NAME,                                                                                        \
+     def,                                                                                          \
+     choices,                                                                                      \
+     help,                                                                                         \
+     offsetof(mfsdp_config_t, field),                                                              \
      offsetof(mfsdp_config_t, field##_set)},
     MFSDP_CONFIG_TABLE(MFSDP_CFG_ENTRY)
 #undef MFSDP_CFG_ENTRY
@@ -36,12 +41,18 @@ static const cfg_entry_t cfg_table[] = {
 static const char *type_name(enum cfg_type t)
 {
     switch (t) {
-    case CFG_BOOL: return "bool";
-    case CFG_INT: return "int";
-    case CFG_DOUBLE: return "float";
-    case CFG_SIZE: return "size";
-    case CFG_STR: return "string";
-    case CFG_ENUM: return "enum";
+    case CFG_BOOL:
+        return "bool";
+    case CFG_INT:
+        return "int";
+    case CFG_DOUBLE:
+        return "float";
+    case CFG_SIZE:
+        return "size";
+    case CFG_STR:
+        return "string";
+    case CFG_ENUM:
+        return "enum";
     }
     return "?";
 }
@@ -65,12 +76,26 @@ mfsdp_status_t mfsdp_parse_size(const char *s, size_t *out_p)
     }
     unsigned shift = 0;
     switch (toupper((unsigned char)*end)) {
-    case '\0': break;
-    case 'K': shift = 10; end++; break;
-    case 'M': shift = 20; end++; break;
-    case 'G': shift = 30; end++; break;
-    case 'T': shift = 40; end++; break;
-    default: return MFSDP_ERR_INVALID_ARG;
+    case '\0':
+        break;
+    case 'K':
+        shift = 10;
+        end++;
+        break;
+    case 'M':
+        shift = 20;
+        end++;
+        break;
+    case 'G':
+        shift = 30;
+        end++;
+        break;
+    case 'T':
+        shift = 40;
+        end++;
+        break;
+    default:
+        return MFSDP_ERR_INVALID_ARG;
     }
     if (shift != 0 && (*end == 'B' || *end == 'b')) {
         end++; /* accept "4GB" */
@@ -160,8 +185,7 @@ static mfsdp_status_t parse_one(const cfg_entry_t *e, const char *val, mfsdp_con
         errno = 0;
         long v = strtol(val, &end, 10);
         if (errno != 0 || end == val || *end != '\0' || !in_bounds(e->choices, (double)v)) {
-            snprintf(err, errlen, "%s=%s: expected an integer in [%s]", e->name, val,
-                     e->choices);
+            snprintf(err, errlen, "%s=%s: expected an integer in [%s]", e->name, val, e->choices);
             return MFSDP_ERR_CONFIG;
         }
         *(long *)(base + e->off) = v;
@@ -170,8 +194,7 @@ static mfsdp_status_t parse_one(const cfg_entry_t *e, const char *val, mfsdp_con
     case CFG_DOUBLE: {
         errno = 0;
         double v = strtod(val, &end);
-        if (errno != 0 || end == val || *end != '\0' || !isfinite(v) ||
-            !in_bounds(e->choices, v)) {
+        if (errno != 0 || end == val || *end != '\0' || !isfinite(v) || !in_bounds(e->choices, v)) {
             snprintf(err, errlen, "%s=%s: expected a finite number in [%s]", e->name, val,
                      e->choices);
             return MFSDP_ERR_CONFIG;
@@ -183,8 +206,8 @@ static mfsdp_status_t parse_one(const cfg_entry_t *e, const char *val, mfsdp_con
         size_t v;
         if (mfsdp_parse_size(val, &v) != MFSDP_OK) {
             snprintf(err, errlen,
-                     "%s=%s: expected a byte count with an optional K, M, G or T suffix",
-                     e->name, val);
+                     "%s=%s: expected a byte count with an optional K, M, G or T suffix", e->name,
+                     val);
             return MFSDP_ERR_CONFIG;
         }
         *(size_t *)(base + e->off) = v;
@@ -206,8 +229,8 @@ static mfsdp_status_t parse_one(const cfg_entry_t *e, const char *val, mfsdp_con
     return MFSDP_OK;
 }
 
-mfsdp_status_t mfsdp_config_parse(mfsdp_getenv_fn lookup, void *arg, mfsdp_config_t *cfg,
-                                   char *err, size_t errlen)
+mfsdp_status_t mfsdp_config_parse(mfsdp_getenv_fn lookup, void *arg, mfsdp_config_t *cfg, char *err,
+                                  size_t errlen)
 {
     char dummy[8];
     if (err == NULL || errlen == 0) {
@@ -272,6 +295,137 @@ mfsdp_status_t mfsdp_config_get(const mfsdp_config_t **cfg_p)
     }
     *cfg_p = &cfg_global;
     return MFSDP_OK;
+}
+
+size_t mfsdp_config_count(void)
+{
+    return NCFG;
+}
+
+/* The n-th choice of a '|' list into out. */
+static void enum_name(const char *choices, int n, char *out, size_t len)
+{
+    const char *p = choices;
+    for (int i = 0; i < n && p != NULL; i++) {
+        p = strchr(p, '|');
+        p = p != NULL ? p + 1 : NULL;
+    }
+    size_t k = 0;
+    while (p != NULL && p[k] != '\0' && p[k] != '|') {
+        k++;
+    }
+    snprintf(out, len, "%.*s", (int)k, p != NULL ? p : "?");
+}
+
+mfsdp_status_t mfsdp_config_value(const mfsdp_config_t *cfg, size_t i, const char **name_p,
+                                  char *value, size_t len)
+{
+    if (cfg == NULL || i >= NCFG || name_p == NULL || value == NULL || len == 0) {
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    const cfg_entry_t *e = &cfg_table[i];
+    const char *base = (const char *)cfg;
+    int set = *(const int *)(base + e->set_off);
+    *name_p = e->name;
+    if (!set && e->def[0] == '\0') {
+        snprintf(value, len, "(unset)");
+        return MFSDP_OK;
+    }
+    switch (e->type) {
+    case CFG_BOOL:
+        snprintf(value, len, "%d", *(const int *)(base + e->off));
+        break;
+    case CFG_INT:
+        snprintf(value, len, "%ld", *(const long *)(base + e->off));
+        break;
+    case CFG_DOUBLE:
+        snprintf(value, len, "%.17g", *(const double *)(base + e->off));
+        break;
+    case CFG_SIZE:
+        snprintf(value, len, "%zu", *(const size_t *)(base + e->off));
+        break;
+    case CFG_STR:
+        snprintf(value, len, "%s", *(const char *const *)(base + e->off));
+        break;
+    case CFG_ENUM:
+        enum_name(e->choices, *(const int *)(base + e->off), value, len);
+        break;
+    }
+    return MFSDP_OK;
+}
+
+/* MFSDP_* names that are not runtime settings: read by mfsdp's own scripts, the PyTorch
+ * companion and the tests. */
+static int known_other(const char *name, size_t n)
+{
+    static const char *const other[] = {"MFSDP_BUILD_DIR", "MFSDP_ASAN_BUILD_DIR", "MFSDP_VENV",
+                                        "MFSDP_PRELOAD_LIB", "MFSDP_COMPANION"};
+    if (n > 11 && strncmp(name, "MFSDP_TEST_", 11) == 0) {
+        return 1;
+    }
+    for (size_t i = 0; i < sizeof(other) / sizeof(other[0]); i++) {
+        if (strlen(other[i]) == n && strncmp(name, other[i], n) == 0) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+extern char **environ;
+
+int mfsdp_config_unknown(char *name, size_t len)
+{
+    for (char **e = environ; e != NULL && *e != NULL; e++) {
+        if (strncmp(*e, "MFSDP_", 6) != 0) {
+            continue;
+        }
+        const char *eq = strchr(*e, '=');
+        size_t n = eq != NULL ? (size_t)(eq - *e) : strlen(*e);
+        int known = known_other(*e, n);
+        for (size_t i = 0; i < NCFG && !known; i++) {
+            known = strlen(cfg_table[i].name) == n && strncmp(cfg_table[i].name, *e, n) == 0;
+        }
+        if (!known) {
+            if (name != NULL && len > 0) {
+                snprintf(name, len, "%.*s", (int)n, *e);
+            }
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* The known name closest to name (edit distance), for "did you mean". */
+const char *mfsdp_config_closest(const char *name)
+{
+    const char *best = NULL;
+    size_t bestd = (size_t)-1;
+    size_t la = strlen(name);
+    for (size_t i = 0; i < NCFG; i++) {
+        const char *b = cfg_table[i].name;
+        size_t lb = strlen(b);
+        if (la > 63 || lb > 63) {
+            continue;
+        }
+        size_t d[64], prev[64];
+        for (size_t j = 0; j <= lb; j++) {
+            prev[j] = j;
+        }
+        for (size_t a = 1; a <= la; a++) {
+            d[0] = a;
+            for (size_t j = 1; j <= lb; j++) {
+                size_t c = prev[j - 1] + (name[a - 1] != b[j - 1]);
+                size_t x = prev[j] + 1, y = d[j - 1] + 1;
+                d[j] = c < x ? (c < y ? c : y) : (x < y ? x : y);
+            }
+            memcpy(prev, d, (lb + 1) * sizeof(size_t));
+        }
+        if (prev[lb] < bestd) {
+            bestd = prev[lb];
+            best = b;
+        }
+    }
+    return bestd <= 3 ? best : NULL;
 }
 
 void mfsdp_config_print(FILE *out)

@@ -18,66 +18,75 @@
 
 /* X(type, NAME, field, default, choices-or-bounds, help)
  * For INT/DOUBLE, "choices" is "min:max" (either side may be empty). For ENUM the list. */
-#define MFSDP_CONFIG_TABLE(X)                                                                 \
-    X(ENUM, MFSDP_DEBUG, debug, "WARN", "NONE|WARN|INFO|TRACE",                               \
-      "log level (NCCL_DEBUG semantics)")                                                     \
-    X(STR, MFSDP_DEBUG_SUBSYS, debug_subsys, "ALL", "",                                       \
-      "comma list of subsystems to log at INFO/TRACE; a leading ^ negates")                   \
-    X(STR, MFSDP_DEBUG_FILE, debug_file, "", "",                                              \
-      "write logs to this file instead of stderr (%h host, %p pid)")                          \
-    X(STR, MFSDP_MANIFEST, manifest, "", "", "manifest (mfsdp-manifest/1 JSON) for the shim") \
-    X(STR, MFSDP_RECORD, record, "", "",                                                      \
-      "record one iteration's collective calls per comm to this path (pass-through mode)")    \
-    X(ENUM, MFSDP_STEP, step, "eager", "eager|lazy",                                          \
-      "run the owner step when a group's reduce lands (eager) or before the next "            \
-      "iteration's first all-gather (lazy; required with clipping)")                          \
-    X(INT, MFSDP_ACCUM_STEPS, accum_steps, "1", "1:1000000",                                  \
-      "micro-steps whose gradients are summed before one optimizer step")                     \
-    X(DOUBLE, MFSDP_CLIP, clip, "0", "0:", "global gradient-norm clipping threshold; 0 = off") \
-    X(ENUM, MFSDP_TAIL, tail, "auto", "owner|shard|auto",                                     \
-      "where AdamW tensors live: whole on an owner, FSDP's even slices, or auto")             \
-    X(SIZE, MFSDP_MEM_LIMIT, mem_limit, "0", "",                                              \
-      "owner-arena bytes allowed per rank (K/M/G/T suffixes); 0 = unlimited")                 \
-    X(ENUM, MFSDP_GATHER_ALGO, gather_algo, "auto", "auto|direct|chain|native",               \
-      "owner-broadcast algorithm for the all-gather")                                         \
-    X(ENUM, MFSDP_REDUCE_ALGO, reduce_algo, "auto", "auto|direct|chain|native",               \
-      "reduce-to-owner algorithm for the reduce-scatter")                                     \
-    X(SIZE, MFSDP_CHAIN_CHUNK, chain_chunk, "1M", "", "chunk bytes of the chain pipeline")    \
-    X(STR, MFSDP_GRAD_DIVIDE, grad_divide, "1", "",                                           \
-      "factor the job divides reduce-scatter outputs by after the collective ('world' = the " \
-      "world size): an MPI job emulating avg with MPI_SUM and a post-divide, or FSDP2's fp16 "\
-      "post-divide; owners divide their reduced gradients by it")                             \
-    X(BOOL, MFSDP_SPREAD, spread, "1", "",                                                    \
-      "spread each group's matrices over ranks (avoid reduce incast on one owner)")           \
-    X(DOUBLE, MFSDP_LR, lr, "", "0:", "override the manifest's Muon learning rate")          \
-    X(DOUBLE, MFSDP_MOMENTUM, momentum, "", "0:1", "override the Muon momentum (beta)")       \
-    X(INT, MFSDP_NS_STEPS, ns_steps, "", "0:100", "override the Newton-Schulz iteration count")\
-    X(DOUBLE, MFSDP_WEIGHT_DECAY, weight_decay, "", "0:", "override the Muon weight decay")   \
-    X(BOOL, MFSDP_NESTEROV, nesterov, "", "", "override Nesterov momentum (0/1)")             \
-    X(ENUM, MFSDP_SCALE, scale, "", "keller|moonlight", "override the Muon scale rule")       \
-    X(DOUBLE, MFSDP_ADAMW_LR, adamw_lr, "", "0:", "override the AdamW learning rate")         \
-    X(DOUBLE, MFSDP_ADAMW_WEIGHT_DECAY, adamw_weight_decay, "", "0:",                         \
-      "override the AdamW weight decay")                                                      \
-    X(BOOL, MFSDP_MLOCK, mlock, "1", "",                                                      \
-      "page-lock CPU owner arenas (falls back with a warning when RLIMIT_MEMLOCK forbids)")   \
-    X(BOOL, MFSDP_NUMA_BIND, numa_bind, "1", "", "bind CPU owner arenas to the rank's NUMA node") \
-    X(BOOL, MFSDP_REPORT, report, "0", "",                                                    \
-      "the shim prints one 'mfsdp report:' line per rank and communicator at exit (owner "    \
-      "step time, call counts, arena memory)")                                                \
-    X(INT, MFSDP_THREADS, threads, "", "1:1024",                                               \
-      "BLAS threads of the process, set when a context is created (unset: leave OpenBLAS's "  \
+#define MFSDP_CONFIG_TABLE(X)                                                                      \
+    X(ENUM, MFSDP_DEBUG, debug, "WARN", "NONE|WARN|INFO|TRACE",                                    \
+      "log level (NCCL_DEBUG semantics)")                                                          \
+    X(STR, MFSDP_DEBUG_SUBSYS, debug_subsys, "ALL", "",                                            \
+      "comma list of subsystems to log at INFO/TRACE; a leading ^ negates")                        \
+    X(STR, MFSDP_DEBUG_FILE, debug_file, "", "",                                                   \
+      "write logs to this file instead of stderr (%h host, %p pid)")                               \
+    X(STR, MFSDP_MANIFEST, manifest, "", "", "manifest (mfsdp-manifest/1 JSON) for the shim")      \
+    X(STR, MFSDP_RECORD, record, "", "",                                                           \
+      "record every all-gather and reduce-scatter per comm to this path (pass-through mode; "      \
+      "record several iterations, then join with mfsdp-plan --record)")                            \
+    X(INT, MFSDP_RECORD_MAX, record_max, "100000", "1:100000000",                                  \
+      "most calls recorded per communicator")                                                      \
+    X(ENUM, MFSDP_STEP, step, "", "eager|lazy",                                                    \
+      "run the owner step when a group's reduce lands (eager) or before the next "                 \
+      "iteration's first all-gather (lazy; required with clipping); unset: the manifest's "        \
+      "training.step, else eager (lazy with clipping)")                                            \
+    X(INT, MFSDP_ACCUM_STEPS, accum_steps, "", "1:1000000",                                        \
+      "reduce-scatters summed per optimizer step; unset: the manifest's training.micro_steps")     \
+    X(DOUBLE, MFSDP_CLIP, clip, "",                                                                \
+      "0:", "global gradient-norm clipping threshold, 0 = off; unset: the manifest's max_norm")    \
+    X(STR, MFSDP_LR_SCHEDULE, lr_schedule, "", "",                                                 \
+      "lr schedule overriding the manifest's: KIND[,warmup=W][,stable=S][,decay=D][,min=M]"        \
+      "[,shape=linear|cosine|sqrt] with KIND constant|warmup-cosine|warmup-linear|wsd")            \
+    X(ENUM, MFSDP_TAIL, tail, "", "owner|shard|auto|job",                                          \
+      "where AdamW tensors live: whole on an owner, FSDP's even slices, auto, or job (the "        \
+      "job's own optimizer trains them); unset: the manifest's training.tail, else auto")          \
+    X(SIZE, MFSDP_MEM_LIMIT, mem_limit, "0", "",                                                   \
+      "owner-arena bytes allowed per rank (K/M/G/T suffixes); 0 = unlimited")                      \
+    X(ENUM, MFSDP_GATHER_ALGO, gather_algo, "auto", "auto|direct|chain|native",                    \
+      "owner-broadcast algorithm for the all-gather")                                              \
+    X(ENUM, MFSDP_REDUCE_ALGO, reduce_algo, "auto", "auto|direct|chain|native",                    \
+      "reduce-to-owner algorithm for the reduce-scatter")                                          \
+    X(SIZE, MFSDP_CHAIN_CHUNK, chain_chunk, "1M", "", "chunk bytes of the chain pipeline")         \
+    X(STR, MFSDP_GRAD_DIVIDE, grad_divide, "", "",                                                 \
+      "how owners turn a sum on the wire into the job's gradient, overriding the manifest's "      \
+      "training.grad_divide: fsdp2 (FSDP2's rules), force_sum, world (divide by the world "        \
+      "size: an MPI job emulating avg with MPI_SUM) or a number")                                  \
+    X(BOOL, MFSDP_SPREAD, spread, "1", "",                                                         \
+      "spread each group's matrices over ranks (avoid reduce incast on one owner)")                \
+    X(DOUBLE, MFSDP_LR, lr, "", "0:", "override the manifest's Muon learning rate")                \
+    X(DOUBLE, MFSDP_MOMENTUM, momentum, "", "0:1", "override the Muon momentum (beta)")            \
+    X(INT, MFSDP_NS_STEPS, ns_steps, "", "0:100", "override the Newton-Schulz iteration count")    \
+    X(DOUBLE, MFSDP_WEIGHT_DECAY, weight_decay, "", "0:", "override the Muon weight decay")        \
+    X(BOOL, MFSDP_NESTEROV, nesterov, "", "", "override Nesterov momentum (0/1)")                  \
+    X(ENUM, MFSDP_SCALE, scale, "", "keller|moonlight", "override the Muon scale rule")            \
+    X(DOUBLE, MFSDP_ADAMW_LR, adamw_lr, "", "0:", "override the AdamW learning rate")              \
+    X(DOUBLE, MFSDP_ADAMW_WEIGHT_DECAY, adamw_weight_decay, "",                                    \
+      "0:", "override the AdamW weight decay")                                                     \
+    X(BOOL, MFSDP_MLOCK, mlock, "1", "",                                                           \
+      "page-lock CPU owner arenas (falls back with a warning when RLIMIT_MEMLOCK forbids)")        \
+    X(BOOL, MFSDP_NUMA_BIND, numa_bind, "1", "", "bind CPU owner arenas to the rank's NUMA node")  \
+    X(BOOL, MFSDP_REPORT, report, "0", "",                                                         \
+      "the shim prints one 'mfsdp report:' line per rank and communicator at exit (owner "         \
+      "step time, call counts, arena memory)")                                                     \
+    X(INT, MFSDP_THREADS, threads, "", "1:1024",                                                   \
+      "BLAS threads of the process, set when a context is created (unset: leave OpenBLAS's "       \
       "own setting, e.g. OPENBLAS_NUM_THREADS=1 with one rank per core)")
 
-#define MFSDP_CFG_CTYPE_BOOL int
-#define MFSDP_CFG_CTYPE_INT long
+#define MFSDP_CFG_CTYPE_BOOL   int
+#define MFSDP_CFG_CTYPE_INT    long
 #define MFSDP_CFG_CTYPE_DOUBLE double
-#define MFSDP_CFG_CTYPE_SIZE size_t
-#define MFSDP_CFG_CTYPE_STR const char *
-#define MFSDP_CFG_CTYPE_ENUM int
+#define MFSDP_CFG_CTYPE_SIZE   size_t
+#define MFSDP_CFG_CTYPE_STR    const char *
+#define MFSDP_CFG_CTYPE_ENUM   int
 
 typedef struct mfsdp_config {
-#define MFSDP_CFG_FIELD(type, NAME, field, def, choices, help)                                \
-    MFSDP_CFG_CTYPE_##type field;                                                             \
+#define MFSDP_CFG_FIELD(type, NAME, field, def, choices, help)                                     \
+    MFSDP_CFG_CTYPE_##type field;                                                                  \
     int field##_set; /* 1 when the value came from the environment */
     MFSDP_CONFIG_TABLE(MFSDP_CFG_FIELD)
 #undef MFSDP_CFG_FIELD
@@ -85,9 +94,18 @@ typedef struct mfsdp_config {
 
 /* ENUM indices, in the order of their choice lists. */
 enum { MFSDP_CFG_STEP_EAGER = 0, MFSDP_CFG_STEP_LAZY = 1 };
-enum { MFSDP_CFG_TAIL_OWNER = 0, MFSDP_CFG_TAIL_SHARD = 1, MFSDP_CFG_TAIL_AUTO = 2 };
-enum { MFSDP_CFG_ALGO_AUTO = 0, MFSDP_CFG_ALGO_DIRECT = 1, MFSDP_CFG_ALGO_CHAIN = 2,
-       MFSDP_CFG_ALGO_NATIVE = 3 };
+enum {
+    MFSDP_CFG_TAIL_OWNER = 0,
+    MFSDP_CFG_TAIL_SHARD = 1,
+    MFSDP_CFG_TAIL_AUTO = 2,
+    MFSDP_CFG_TAIL_JOB = 3
+};
+enum {
+    MFSDP_CFG_ALGO_AUTO = 0,
+    MFSDP_CFG_ALGO_DIRECT = 1,
+    MFSDP_CFG_ALGO_CHAIN = 2,
+    MFSDP_CFG_ALGO_NATIVE = 3
+};
 
 /* Environment lookup; getenv by default, replaceable in tests. */
 typedef const char *(*mfsdp_getenv_fn)(const char *name, void *arg);
@@ -97,8 +115,8 @@ typedef const char *(*mfsdp_getenv_fn)(const char *name, void *arg);
  * and writes "MFSDP_X=value: expected ..." to err. Variables with an empty default and no
  * value are left unset (field##_set == 0, field zero).
  */
-mfsdp_status_t mfsdp_config_parse(mfsdp_getenv_fn lookup, void *arg, mfsdp_config_t *cfg,
-                                   char *err, size_t errlen);
+mfsdp_status_t mfsdp_config_parse(mfsdp_getenv_fn lookup, void *arg, mfsdp_config_t *cfg, char *err,
+                                  size_t errlen);
 
 /* The process-wide configuration, parsed from the environment once (thread-safe). On a
  * bad value every call returns MFSDP_ERR_CONFIG (the error was logged once). */
@@ -107,6 +125,18 @@ mfsdp_status_t mfsdp_config_get(const mfsdp_config_t **cfg_p);
 /* Print the table: name, type, default, accepted values, help (and the current value when
  * set in the environment). */
 void mfsdp_config_print(FILE *out);
+
+/* Number of variables in the table, and the i-th one's name and canonical value (parsed and
+ * printed back; "(unset)" when unset without a default). */
+size_t mfsdp_config_count(void);
+mfsdp_status_t mfsdp_config_value(const mfsdp_config_t *cfg, size_t i, const char **name_p,
+                                  char *value, size_t len);
+
+/* 1 when the environment holds an MFSDP_* variable that is neither in the table nor one of
+ * the scripts' own (MFSDP_BUILD_DIR, MFSDP_VENV, MFSDP_TEST_*, ...): its name goes to name. */
+int mfsdp_config_unknown(char *name, size_t len);
+/* The table's name closest to name (a misspelling), or NULL. */
+const char *mfsdp_config_closest(const char *name);
 
 /* Parse a size with optional K/M/G/T suffix. */
 mfsdp_status_t mfsdp_parse_size(const char *s, size_t *out_p);

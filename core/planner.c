@@ -501,7 +501,7 @@ static void tail_decide(mfsdp_plan_t *plan, mfsdp_tail_policy_t tail, size_t mem
         if (sh->role != MFSDP_ROLE_ADAMW || tail == MFSDP_TAIL_OWNER) {
             continue;
         }
-        if (tail == MFSDP_TAIL_SHARD) {
+        if (tail == MFSDP_TAIL_SHARD || tail == MFSDP_TAIL_JOB) {
             sh->owner = MFSDP_OWNER_SHARDED;
             continue;
         }
@@ -634,8 +634,9 @@ mfsdp_status_t mfsdp_plan_create(const mfsdp_manifest_t *manifest, int world,
     if (opts != NULL) {
         o = *opts;
     }
-    if (o.tail != MFSDP_TAIL_OWNER && o.tail != MFSDP_TAIL_SHARD && o.tail != MFSDP_TAIL_AUTO) {
-        MFSDP_WARN("tail policy %d: expected owner, shard or auto", (int)o.tail);
+    if (o.tail != MFSDP_TAIL_OWNER && o.tail != MFSDP_TAIL_SHARD && o.tail != MFSDP_TAIL_AUTO &&
+        o.tail != MFSDP_TAIL_JOB) {
+        MFSDP_WARN("tail policy %d: expected owner, shard, auto or job", (int)o.tail);
         return MFSDP_ERR_INVALID_ARG;
     }
     if (manifest->hp.ns_steps < 0) {
@@ -682,6 +683,9 @@ mfsdp_status_t mfsdp_plan_create(const mfsdp_manifest_t *manifest, int world,
         if (sh->owner != MFSDP_OWNER_SHARDED) {
             s.nitems++;
             continue;
+        }
+        if (o.tail == MFSDP_TAIL_JOB) {
+            continue; /* the job's own optimizer keeps these: no arena bytes */
         }
         const mfsdp_param_desc_t *p = &manifest->groups[sh->group].params[sh->param];
         size_t cost;
@@ -808,7 +812,8 @@ out:
 
 static const char *const role_names[] = {[MFSDP_ROLE_MUON] = "muon", [MFSDP_ROLE_ADAMW] = "adamw"};
 static const char *const tail_names[] = {
-    [MFSDP_TAIL_OWNER] = "owner", [MFSDP_TAIL_SHARD] = "shard", [MFSDP_TAIL_AUTO] = "auto"};
+    [MFSDP_TAIL_OWNER] = "owner", [MFSDP_TAIL_SHARD] = "shard", [MFSDP_TAIL_AUTO] = "auto",
+    [MFSDP_TAIL_JOB] = "job"};
 static const char *const cat_names[MFSDP_ARENA_NCAT] = {
     [MFSDP_ARENA_MASTER] = "master", [MFSDP_ARENA_COMM] = "comm",
     [MFSDP_ARENA_GRAD] = "grad",     [MFSDP_ARENA_MOMENTUM] = "momentum",
@@ -840,7 +845,7 @@ static double ratio(double v, double lb)
 mfsdp_status_t mfsdp_plan_to_json(const mfsdp_plan_t *plan, char **json_p)
 {
     MFSDP_CHECK_ARG(plan != NULL && json_p != NULL && plan->manifest != NULL);
-    MFSDP_CHECK_ARG((unsigned)plan->tail <= MFSDP_TAIL_AUTO);
+    MFSDP_CHECK_ARG((unsigned)plan->tail <= MFSDP_TAIL_JOB);
     const mfsdp_manifest_t *m = plan->manifest;
     json_t *root = json_object();
     if (root == NULL) {

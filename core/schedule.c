@@ -12,7 +12,7 @@
  * slots are released, so each slot has its own tag, and distinct tags per segment keep
  * forwarded chunks of different segments apart. Within one (segment, slot) tag, sends and
  * receives are ordered by their dependencies. */
-#define SCHED_TAG_LIMIT 32767
+#define SCHED_TAG_LIMIT    32767
 #define SCHED_TAGS_PER_SEG (2 * MFSDP_SCHED_WINDOW)
 
 void mfsdp_group_sched_destroy(mfsdp_group_sched_t *gs)
@@ -29,6 +29,13 @@ void mfsdp_group_sched_destroy(mfsdp_group_sched_t *gs)
 mfsdp_status_t mfsdp_group_sched_create(const mfsdp_plan_t *plan, size_t g,
                                         mfsdp_group_sched_t **gs_p)
 {
+    return mfsdp_group_sched_create_masked(plan, g, NULL, gs_p);
+}
+
+mfsdp_status_t mfsdp_group_sched_create_masked(const mfsdp_plan_t *plan, size_t g,
+                                               const unsigned char *has_grad,
+                                               mfsdp_group_sched_t **gs_p)
+{
     MFSDP_CHECK_ARG(plan != NULL && plan->manifest != NULL && gs_p != NULL);
     MFSDP_CHECK_ARG(g < plan->manifest->ngroups);
     const mfsdp_group_desc_t *gd = &plan->manifest->groups[g];
@@ -39,7 +46,8 @@ mfsdp_status_t mfsdp_group_sched_create(const mfsdp_plan_t *plan, size_t g,
     }
     gs->group = g;
     gs->world = plan->world;
-    MFSDP_CHECK_GOTO(mfsdp_group_layout_create(gd, plan->world, &gs->layout), st, out_err);
+    MFSDP_CHECK_GOTO(mfsdp_group_layout_create_masked(gd, plan->world, has_grad, &gs->layout), st,
+                     out_err);
     size_t first = plan->group_first[g];
     if (plan->group_first[g + 1] - first != gd->nparams) {
         MFSDP_WARN("plan has %zu shards for group %s of %zu params",
@@ -90,8 +98,8 @@ mfsdp_status_t mfsdp_group_sched_create(const mfsdp_plan_t *plan, size_t g,
         s->rs_entry = rs;
     }
     if (gs->nsegs + 1 > SCHED_TAG_LIMIT / SCHED_TAGS_PER_SEG) {
-        MFSDP_WARN("group %s has %zu owner segments; at most %d are supported", gd->name,
-                   gs->nsegs, SCHED_TAG_LIMIT / SCHED_TAGS_PER_SEG - 1);
+        MFSDP_WARN("group %s has %zu owner segments; at most %d are supported", gd->name, gs->nsegs,
+                   SCHED_TAG_LIMIT / SCHED_TAGS_PER_SEG - 1);
         st = MFSDP_ERR_UNSUPPORTED;
         goto out_err;
     }
@@ -125,8 +133,8 @@ static long push(oplist_t *l, const mfsdp_sched_op_t *op)
     return (long)l->n++;
 }
 
-static mfsdp_sched_op_t mkop(mfsdp_sched_kind_t kind, uint32_t seg, int peer,
-                             mfsdp_sched_buf_t buf, size_t off, size_t len, int tag, long dep)
+static mfsdp_sched_op_t mkop(mfsdp_sched_kind_t kind, uint32_t seg, int peer, mfsdp_sched_buf_t buf,
+                             size_t off, size_t len, int tag, long dep)
 {
     mfsdp_sched_op_t op;
     memset(&op, 0, sizeof(op));
@@ -143,10 +151,9 @@ static mfsdp_sched_op_t mkop(mfsdp_sched_kind_t kind, uint32_t seg, int peer,
 }
 
 /* Pieces of [0, total) of at most step units. */
-#define FOR_CHUNKS(off, len, total, step)                                                     \
-    for (size_t off = 0, len = 0; off < (total) &&                                            \
-                                  ((len = ((total) - off < (step) ? (total) - off : (step))), 1); \
-         off += len)
+#define FOR_CHUNKS(off, len, total, step)                                                          \
+    for (size_t off = 0, len = 0;                                                                  \
+         off < (total) && ((len = ((total)-off < (step) ? (total)-off : (step))), 1); off += len)
 
 static void gather_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int rank, int n,
                        mfsdp_algo_t algo, size_t chunk)
@@ -163,16 +170,18 @@ static void gather_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
                 if (j == o) {
                     continue;
                 }
-                FOR_CHUNKS(off, len, s->ag_bytes, MFSDP_SCHED_MAX_MSG) {
-                    mfsdp_sched_op_t op = mkop(MFSDP_SCHED_SEND, si, j, MFSDP_BUF_SRC, off, len,
-                                               tag, -1);
+                FOR_CHUNKS(off, len, s->ag_bytes, MFSDP_SCHED_MAX_MSG)
+                {
+                    mfsdp_sched_op_t op =
+                        mkop(MFSDP_SCHED_SEND, si, j, MFSDP_BUF_SRC, off, len, tag, -1);
                     push(l, &op);
                 }
             }
         } else {
-            FOR_CHUNKS(off, len, s->ag_bytes, MFSDP_SCHED_MAX_MSG) {
-                mfsdp_sched_op_t op = mkop(MFSDP_SCHED_RECV, si, o, MFSDP_BUF_STAGE, off, len,
-                                           tag, -1);
+            FOR_CHUNKS(off, len, s->ag_bytes, MFSDP_SCHED_MAX_MSG)
+            {
+                mfsdp_sched_op_t op =
+                    mkop(MFSDP_SCHED_RECV, si, o, MFSDP_BUF_STAGE, off, len, tag, -1);
                 push(l, &op);
             }
         }
@@ -183,20 +192,21 @@ static void gather_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
         int prev = (rank + n - 1) % n;
         long rel[MFSDP_SCHED_WINDOW]; /* op that frees each ring slot */
         size_t k = 0;
-        FOR_CHUNKS(off, len, s->ag_bytes, chunk) {
+        FOR_CHUNKS(off, len, s->ag_bytes, chunk)
+        {
             size_t slot = k % MFSDP_SCHED_WINDOW;
             int stag = tag + (int)slot;
             if (pos == 0) {
-                mfsdp_sched_op_t op = mkop(MFSDP_SCHED_SEND, si, next, MFSDP_BUF_SRC, off, len,
-                                           stag, -1);
+                mfsdp_sched_op_t op =
+                    mkop(MFSDP_SCHED_SEND, si, next, MFSDP_BUF_SRC, off, len, stag, -1);
                 push(l, &op);
                 k++;
                 continue;
             }
             /* receive into the ring slot once its previous chunk left, copy it out, then
              * forward it */
-            mfsdp_sched_op_t op = mkop(MFSDP_SCHED_RECV, si, prev, MFSDP_BUF_STAGE, off, len,
-                                       stag, k >= MFSDP_SCHED_WINDOW ? rel[slot] : -1);
+            mfsdp_sched_op_t op = mkop(MFSDP_SCHED_RECV, si, prev, MFSDP_BUF_STAGE, off, len, stag,
+                                       k >= MFSDP_SCHED_WINDOW ? rel[slot] : -1);
             op.boff = slot * chunk;
             long d = push(l, &op);
             op = mkop(MFSDP_SCHED_COPYOUT, si, rank, MFSDP_BUF_STAGE, off, len, stag, d);
@@ -213,10 +223,11 @@ static void gather_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
         break;
     }
     default: /* NATIVE */
-        FOR_CHUNKS(off, len, s->ag_bytes, MFSDP_SCHED_MAX_MSG) {
-            mfsdp_sched_op_t op = mkop(MFSDP_SCHED_BCAST, si, o,
-                                       rank == o ? MFSDP_BUF_SRC : MFSDP_BUF_STAGE, off, len,
-                                       tag, -1);
+        FOR_CHUNKS(off, len, s->ag_bytes, MFSDP_SCHED_MAX_MSG)
+        {
+            mfsdp_sched_op_t op =
+                mkop(MFSDP_SCHED_BCAST, si, o, rank == o ? MFSDP_BUF_SRC : MFSDP_BUF_STAGE, off,
+                     len, tag, -1);
             push(l, &op);
         }
         break;
@@ -231,9 +242,10 @@ static void reduce_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
     switch (algo) {
     case MFSDP_ALGO_DIRECT:
         if (rank != o) {
-            FOR_CHUNKS(off, len, s->numel, max_elems) {
-                mfsdp_sched_op_t op = mkop(MFSDP_SCHED_SEND, si, o, MFSDP_BUF_SRC, off, len, tag,
-                                           -1);
+            FOR_CHUNKS(off, len, s->numel, max_elems)
+            {
+                mfsdp_sched_op_t op =
+                    mkop(MFSDP_SCHED_SEND, si, o, MFSDP_BUF_SRC, off, len, tag, -1);
                 push(l, &op);
             }
             return;
@@ -242,16 +254,17 @@ static void reduce_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
             if (j == o) {
                 continue;
             }
-            FOR_CHUNKS(off, len, s->numel, max_elems) {
-                mfsdp_sched_op_t op = mkop(MFSDP_SCHED_RECV, si, j, MFSDP_BUF_STAGE, off, len,
-                                           tag, -1);
+            FOR_CHUNKS(off, len, s->numel, max_elems)
+            {
+                mfsdp_sched_op_t op =
+                    mkop(MFSDP_SCHED_RECV, si, j, MFSDP_BUF_STAGE, off, len, tag, -1);
                 op.slot = j;
                 push(l, &op);
             }
         }
         {
-            mfsdp_sched_op_t op = mkop(MFSDP_SCHED_APPLY, si, o, MFSDP_BUF_STAGE, 0, s->numel,
-                                       tag, MFSDP_SCHED_DEP_ALL);
+            mfsdp_sched_op_t op = mkop(MFSDP_SCHED_APPLY, si, o, MFSDP_BUF_STAGE, 0, s->numel, tag,
+                                       MFSDP_SCHED_DEP_ALL);
             op.apply = MFSDP_APPLY_ORDERED;
             push(l, &op);
         }
@@ -263,11 +276,12 @@ static void reduce_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
          * chunk WINDOW earlier was sent on (or applied). */
         long rel[MFSDP_SCHED_WINDOW], relf[MFSDP_SCHED_WINDOW];
         size_t k = 0;
-        FOR_CHUNKS(off, len, s->numel, chunk_elems) {
+        FOR_CHUNKS(off, len, s->numel, chunk_elems)
+        {
             size_t slot = k % MFSDP_SCHED_WINDOW;
             size_t boff = slot * chunk_elems;
-            int stag = tag + (int)slot;                        /* chain hops */
-            int ftag = tag + MFSDP_SCHED_WINDOW + (int)slot;   /* last rank -> owner */
+            int stag = tag + (int)slot;                      /* chain hops */
+            int ftag = tag + MFSDP_SCHED_WINDOW + (int)slot; /* last rank -> owner */
             long dep = k >= MFSDP_SCHED_WINDOW ? rel[slot] : -1;
             mfsdp_sched_op_t op;
             if (rank > 0) {
@@ -301,9 +315,10 @@ static void reduce_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
         return;
     }
     default: /* NATIVE */
-        FOR_CHUNKS(off, len, s->numel, max_elems) {
-            mfsdp_sched_op_t op = mkop(MFSDP_SCHED_REDUCE, si, o, MFSDP_BUF_POUT, off, len, tag,
-                                       -1);
+        FOR_CHUNKS(off, len, s->numel, max_elems)
+        {
+            mfsdp_sched_op_t op =
+                mkop(MFSDP_SCHED_REDUCE, si, o, MFSDP_BUF_POUT, off, len, tag, -1);
             op.combine = 1;
             long d = push(l, &op);
             if (rank == o) {
@@ -328,8 +343,8 @@ mfsdp_status_t mfsdp_sched_build(const mfsdp_group_sched_t *gs, int rank, mfsdp_
     int n = gs->world;
     int has_tail = dir == MFSDP_SCHED_DIR_GATHER ? gs->tail_ag_bytes != 0 : gs->tail_rs_elems != 0;
     if (has_tail) {
-        mfsdp_sched_op_t op = mkop(MFSDP_SCHED_TAIL, 0, 0, MFSDP_BUF_STAGE, 0, 0,
-                                   SCHED_TAG_LIMIT - 1, -1);
+        mfsdp_sched_op_t op =
+            mkop(MFSDP_SCHED_TAIL, 0, 0, MFSDP_BUF_STAGE, 0, 0, SCHED_TAG_LIMIT - 1, -1);
         push(&l, &op);
     }
     for (size_t i = 0; i < gs->nsegs; i++) {

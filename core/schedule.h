@@ -38,13 +38,13 @@ typedef enum mfsdp_sched_dir {
 } mfsdp_sched_dir_t;
 
 typedef enum mfsdp_sched_kind {
-    MFSDP_SCHED_SEND = 0,   /* Isend [off, off+len) of buf to peer */
-    MFSDP_SCHED_RECV = 1,   /* Irecv [off, off+len) of buf (slot) from peer */
-    MFSDP_SCHED_BCAST = 2,  /* native broadcast of [off, off+len) from root = peer */
-    MFSDP_SCHED_REDUCE = 3, /* native fp32 sum of POUT into FINAL on root = peer */
-    MFSDP_SCHED_APPLY = 4,  /* owner: accumulate the reduced chunk into the fp32 gradient */
-    MFSDP_SCHED_TAIL = 5,   /* the group's packed sharded tail: native all-gather or
-                               reduce-scatter (buffers bound by the runtime) */
+    MFSDP_SCHED_SEND = 0,    /* Isend [off, off+len) of buf to peer */
+    MFSDP_SCHED_RECV = 1,    /* Irecv [off, off+len) of buf (slot) from peer */
+    MFSDP_SCHED_BCAST = 2,   /* native broadcast of [off, off+len) from root = peer */
+    MFSDP_SCHED_REDUCE = 3,  /* native fp32 sum of POUT into FINAL on root = peer */
+    MFSDP_SCHED_APPLY = 4,   /* owner: accumulate the reduced chunk into the fp32 gradient */
+    MFSDP_SCHED_TAIL = 5,    /* the group's packed sharded tail: native all-gather or
+                                reduce-scatter (buffers bound by the runtime) */
     MFSDP_SCHED_COPYOUT = 6, /* chain gather: copy a received chunk into FSDP's output */
 } mfsdp_sched_kind_t;
 
@@ -68,40 +68,40 @@ typedef enum mfsdp_sched_apply {
 
 typedef struct mfsdp_sched_op {
     mfsdp_sched_kind_t kind;
-    uint32_t seg;           /* segment index in the group schedule */
-    int peer;               /* peer rank, or the root of BCAST/REDUCE */
-    mfsdp_sched_buf_t buf;  /* buffer SEND reads / RECV writes */
-    int slot;               /* STAGE slot (direct reduce: the source rank), else 0 */
-    size_t off;             /* offset in the tensor (bytes for gather, elements for reduce) */
-    size_t len;             /* length in the same unit */
-    size_t boff;            /* offset in the op's buffer: off, or the ring slot of a chain */
+    uint32_t seg;          /* segment index in the group schedule */
+    int peer;              /* peer rank, or the root of BCAST/REDUCE */
+    mfsdp_sched_buf_t buf; /* buffer SEND reads / RECV writes */
+    int slot;              /* STAGE slot (direct reduce: the source rank), else 0 */
+    size_t off;            /* offset in the tensor (bytes for gather, elements for reduce) */
+    size_t len;            /* length in the same unit */
+    size_t boff;           /* offset in the op's buffer: off, or the ring slot of a chain */
     int tag;
-    long dep;               /* op index to wait for before posting, -1, or DEP_ALL */
-    int combine;            /* reduce SEND/REDUCE: first POUT = (dep ? PIN : 0) + own */
-    int has_in;             /* combine/APPLY_LAST: a PIN chunk was received */
+    long dep;                  /* op index to wait for before posting, -1, or DEP_ALL */
+    int combine;               /* reduce SEND/REDUCE: first POUT = (dep ? PIN : 0) + own */
+    int has_in;                /* combine/APPLY_LAST: a PIN chunk was received */
     mfsdp_sched_apply_t apply; /* APPLY variant */
 } mfsdp_sched_op_t;
 
 /* One owner segment: an owned tensor of the group. */
 typedef struct mfsdp_sched_seg {
-    size_t shard;       /* index into plan->shards */
-    size_t param;       /* param index in the group (= its all-gather layout entry) */
+    size_t shard; /* index into plan->shards */
+    size_t param; /* param index in the group (= its all-gather layout entry) */
     int owner;
-    size_t numel;       /* N0 * R */
-    size_t ag_bytes;    /* numel * param dtype size */
-    long rs_entry;      /* reduce-scatter layout entry, -1 without gradient */
+    size_t numel;    /* N0 * R */
+    size_t ag_bytes; /* numel * param dtype size */
+    long rs_entry;   /* reduce-scatter layout entry, -1 without gradient */
 } mfsdp_sched_seg_t;
 
 typedef struct mfsdp_group_sched {
     size_t group;
     int world;
-    mfsdp_group_layout_t *layout;  /* owned */
+    mfsdp_group_layout_t *layout; /* owned */
     size_t nsegs;
-    mfsdp_sched_seg_t *segs;       /* owned tensors in param order */
+    mfsdp_sched_seg_t *segs; /* owned tensors in param order */
     size_t ntail;
-    size_t *tail;                  /* group param indices of sharded-tail tensors */
-    size_t tail_ag_bytes;          /* per rank: sum of all-gather s_bytes of the tail */
-    size_t tail_rs_elems;          /* per rank: sum of reduce-scatter s of the tail (grad) */
+    size_t *tail;         /* group param indices of sharded-tail tensors */
+    size_t tail_ag_bytes; /* per rank: sum of all-gather s_bytes of the tail */
+    size_t tail_rs_elems; /* per rank: sum of reduce-scatter s of the tail (grad) */
 } mfsdp_group_sched_t;
 
 typedef struct mfsdp_sched_ops {
@@ -119,6 +119,11 @@ static inline size_t mfsdp_sched_ring(size_t total, size_t chunk_units)
 /* Segments and tail of group g of the plan. */
 mfsdp_status_t mfsdp_group_sched_create(const mfsdp_plan_t *plan, size_t g,
                                         mfsdp_group_sched_t **gs_p);
+/* The same with the reduce-scatter layout over the params flagged in has_grad (nparams bytes,
+ * NULL = every requires_grad param; see mfsdp_group_layout_create_masked()). */
+mfsdp_status_t mfsdp_group_sched_create_masked(const mfsdp_plan_t *plan, size_t g,
+                                               const unsigned char *has_grad,
+                                               mfsdp_group_sched_t **gs_p);
 void mfsdp_group_sched_destroy(mfsdp_group_sched_t *gs);
 
 /*

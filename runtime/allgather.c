@@ -78,6 +78,9 @@ static mfsdp_status_t take_initial_weights(struct mfsdp_ctx *ctx, size_t g, cons
         size_t shard = ctx->plan->group_first[g] + pi;
         const mfsdp_param_layout_t *e = &ag->entries[pi];
         char *comm = mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_COMM);
+        if (comm == NULL) {
+            continue; /* tail "job": the job keeps its slices */
+        }
         size_t valid = mfsdp_ctx_slice_valid(ctx, e);
         memcpy(comm, send + e->o_bytes, valid * e->elt);
         memset(comm + valid * e->elt, 0, e->s_bytes - valid * e->elt);
@@ -104,7 +107,8 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
                    count, mfsdp_dtype_name(dtype), ag->count, mfsdp_dtype_name(ag->dtype));
         return MFSDP_ERR_MISMATCH;
     }
-    if (recvbuf == NULL || (!gst->initialized && sendbuf == NULL && ag->bytes != 0)) {
+    int job_tail = ctx->plan->tail == MFSDP_TAIL_JOB && gs->ntail != 0;
+    if (recvbuf == NULL || ((!gst->initialized || job_tail) && sendbuf == NULL && ag->bytes != 0)) {
         MFSDP_WARN("allgather of group %s: null buffer", gname);
         return MFSDP_ERR_INVALID_ARG;
     }
@@ -134,9 +138,12 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
     for (size_t k = 0; k < gs->ntail; k++) {
         size_t pi = gs->tail[k];
         const mfsdp_param_layout_t *e = &ag->entries[pi];
-        memcpy((char *)tb.send + toff,
-               mfsdp_ctx_slot(ctx, ctx->plan->group_first[group] + pi, MFSDP_ARENA_COMM),
-               e->s_bytes);
+        const char *mine =
+            mfsdp_ctx_slot(ctx, ctx->plan->group_first[group] + pi, MFSDP_ARENA_COMM);
+        if (mine == NULL) { /* tail "job": the job's own (trained) slice travels */
+            mine = (const char *)sendbuf + e->o_bytes;
+        }
+        memcpy((char *)tb.send + toff, mine, e->s_bytes);
         toff += e->s_bytes;
     }
     mfsdp_xfer_t x = {

@@ -10,6 +10,7 @@
 
 #include "core/checks.h"
 #include "core/config.h"
+#include "core/settings.h"
 #include "kernels/cpu/gemm.h"
 #include "mfsdp/kernels.h"
 #include "runtime/ctx.h"
@@ -65,26 +66,6 @@ static mfsdp_algo_t resolve_algo(mfsdp_algo_t opt, int cfg, int world)
     return world <= 8 ? MFSDP_ALGO_DIRECT : MFSDP_ALGO_CHAIN;
 }
 
-static void resolve_hparams(const mfsdp_config_t *cfg, mfsdp_hparams_t *hp)
-{
-    if (cfg->lr_set)
-        hp->lr = cfg->lr;
-    if (cfg->momentum_set)
-        hp->momentum = cfg->momentum;
-    if (cfg->ns_steps_set)
-        hp->ns_steps = (int)cfg->ns_steps;
-    if (cfg->weight_decay_set)
-        hp->weight_decay = cfg->weight_decay;
-    if (cfg->nesterov_set)
-        hp->nesterov = cfg->nesterov;
-    if (cfg->scale_set)
-        hp->scale = cfg->scale == 1 ? MFSDP_SCALE_MOONLIGHT : MFSDP_SCALE_KELLER;
-    if (cfg->adamw_lr_set)
-        hp->adamw_lr = cfg->adamw_lr;
-    if (cfg->adamw_weight_decay_set)
-        hp->adamw_weight_decay = cfg->adamw_weight_decay;
-}
-
 static mfsdp_status_t build_ops(struct mfsdp_ctx *ctx, mfsdp_group_state_t *gst)
 {
     MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_GATHER, ctx->gather_algo,
@@ -103,9 +84,14 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
         opts = &defaults;
     }
     MFSDP_CHECK(mfsdp_config_get(&cfg));
+    mfsdp_settings_t set;
+    char serr[512];
+    if (mfsdp_settings_resolve(manifest, cfg, &set, serr, sizeof(serr)) != MFSDP_OK) {
+        MFSDP_WARN("%s", serr);
+        return MFSDP_ERR_CONFIG;
+    }
     ctx->manifest = manifest;
-    ctx->hp = manifest->hp;
-    resolve_hparams(cfg, &ctx->hp);
+    ctx->hp = set.hp;
     ctx->gather_algo = resolve_algo(opts->gather_algo, cfg->gather_algo, ctx->world);
     ctx->reduce_algo = resolve_algo(opts->reduce_algo, cfg->reduce_algo, ctx->world);
     ctx->chunk = opts->chain_chunk != 0 ? opts->chain_chunk : cfg->chain_chunk;
@@ -114,23 +100,24 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
                    sizeof(float));
         return MFSDP_ERR_INVALID_ARG;
     }
-    ctx->accum = opts->accum_steps > 0 ? opts->accum_steps : (int)cfg->accum_steps;
+    ctx->accum = opts->accum_steps > 0 ? opts->accum_steps : set.micro_steps;
     if (cfg->threads_set) {
         mfsdp_gemm_set_threads((int)cfg->threads); /* MFSDP_THREADS: process-wide BLAS */
     }
-    ctx->clip = opts->has_clip ? opts->clip : cfg->clip;
+    ctx->clip = opts->has_clip ? opts->clip : set.clip;
     if (!(ctx->clip >= 0.0) || !isfinite(ctx->clip)) {
         MFSDP_WARN("clipping threshold %g must be finite and >= 0", ctx->clip);
         return MFSDP_ERR_INVALID_ARG;
     }
     if (opts->has_step_mode) {
         ctx->mode = opts->step_mode;
-    } else if (cfg->step_set) {
-        ctx->mode = cfg->step == MFSDP_CFG_STEP_LAZY ? MFSDP_STEP_LAZY : MFSDP_STEP_EAGER;
+    } else if (set.has_step) {
+        ctx->mode = set.step;
     } else {
         ctx->mode = ctx->clip > 0.0 ? MFSDP_STEP_LAZY : MFSDP_STEP_EAGER;
     }
-    if (ctx->mode != MFSDP_STEP_EAGER && ctx->mode != MFSDP_STEP_LAZY) {
+    if (ctx->mode != MFSDP_STEP_EAGER && ctx->mode != MFSDP_STEP_LAZY &&
+        ctx->mode != MFSDP_STEP_MANUAL) {
         return MFSDP_ERR_INVALID_ARG;
     }
     if (ctx->clip > 0.0 && ctx->mode == MFSDP_STEP_EAGER) {
@@ -149,14 +136,19 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
             po = opts->plan_opts;
         } else {
             memset(&po, 0, sizeof(po));
-            po.tail = cfg->tail == MFSDP_CFG_TAIL_OWNER   ? MFSDP_TAIL_OWNER
-                      : cfg->tail == MFSDP_CFG_TAIL_SHARD ? MFSDP_TAIL_SHARD
-                                                          : MFSDP_TAIL_AUTO;
-            po.mem_limit = cfg->mem_limit;
-            po.no_spread = !cfg->spread;
+            po.tail = set.tail;
+            po.mem_limit = set.mem_limit;
+            po.no_spread = !set.spread;
         }
         MFSDP_CHECK(mfsdp_plan_create(manifest, ctx->world, &po, &ctx->own_plan));
         ctx->plan = ctx->own_plan;
+    }
+    if (ctx->clip > 0.0 && ctx->plan->tail == MFSDP_TAIL_JOB) {
+        MFSDP_WARN("gradient clipping (%g) with tail policy \"job\": the global norm needs the "
+                   "tail's gradients, which only the job holds (clip in the job with the PyTorch "
+                   "companion, or use tail owner/shard)",
+                   ctx->clip);
+        return MFSDP_ERR_UNSUPPORTED;
     }
     if (ctx->plan->world != ctx->world || ctx->plan->manifest != manifest) {
         MFSDP_WARN("the plan is for world size %d and %s manifest; the communicator has %d "
@@ -174,12 +166,22 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
     }
     for (size_t g = 0; g < ng; g++) {
         mfsdp_group_state_t *gst = &ctx->groups[g];
+        const mfsdp_group_desc_t *gd = &manifest->groups[g];
         MFSDP_CHECK(mfsdp_group_sched_create(ctx->plan, g, &gst->gs));
         gst->bufs = calloc(gst->gs->nsegs + 1, sizeof(*gst->bufs));
-        if (gst->bufs == NULL) {
+        gst->full = calloc(gd->nparams + 1, 1);
+        if (gst->bufs == NULL || gst->full == NULL) {
             return MFSDP_ERR_NO_MEMORY;
         }
+        for (size_t i = 0; i < gd->nparams; i++) {
+            gst->full[i] = gd->params[i].requires_grad ? 1 : 0;
+        }
         MFSDP_CHECK(build_ops(ctx, gst));
+    }
+    ctx->seen = calloc(ctx->plan->nshards + 1, 1);
+    ctx->shard_steps = calloc(ctx->plan->nshards + 1, sizeof(*ctx->shard_steps));
+    if (ctx->seen == NULL || ctx->shard_steps == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
     }
 
     /* Arena: tensors by category, then staging (largest group call) and the workspace. */
@@ -194,7 +196,7 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
         size_t need_ag, need_rs;
         mfsdp_tail_bufs_t tb;
         MFSDP_CHECK(mfsdp_ctx_bind_gather(ctx, g, NULL, &need_ag, &tb));
-        MFSDP_CHECK(mfsdp_ctx_bind_reduce(ctx, g, NULL, &need_rs, &tb));
+        MFSDP_CHECK(mfsdp_ctx_bind_reduce(ctx, g, ctx->groups[g].gs, NULL, &need_rs, &tb));
         stage = need_ag > stage ? need_ag : stage;
         stage = need_rs > stage ? need_rs : stage;
     }
@@ -229,8 +231,10 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
                "rank %d/%d: %zu groups, gather %d, reduce %d, chunk %zu, %s step, accum %d, "
                "clip %g, arena peak %zu bytes",
                ctx->rank, ctx->world, ng, (int)ctx->gather_algo, (int)ctx->reduce_algo, ctx->chunk,
-               ctx->mode == MFSDP_STEP_LAZY ? "lazy" : "eager", ctx->accum, ctx->clip,
-               mfsdp_arena_peak_bytes(ctx->arena));
+               ctx->mode == MFSDP_STEP_LAZY    ? "lazy"
+               : ctx->mode == MFSDP_STEP_EAGER ? "eager"
+                                               : "manual",
+               ctx->accum, ctx->clip, mfsdp_arena_peak_bytes(ctx->arena));
     return MFSDP_OK;
 }
 
@@ -247,9 +251,18 @@ void mfsdp_ctx_free(struct mfsdp_ctx *ctx)
             mfsdp_sched_ops_free(&gst->rs_ops);
             mfsdp_group_sched_destroy(gst->gs);
             free(gst->bufs);
+            for (size_t v = 0; v < gst->nvariants; v++) {
+                mfsdp_sched_ops_free(&gst->variants[v].rs_ops);
+                mfsdp_group_sched_destroy(gst->variants[v].gs);
+                free(gst->variants[v].mask);
+            }
+            free(gst->variants);
+            free(gst->full);
         }
     }
     free(ctx->groups);
+    free(ctx->seen);
+    free(ctx->shard_steps);
     free(ctx->slots);
     mfsdp_arena_destroy(ctx->arena);
     mfsdp_plan_destroy(ctx->own_plan);

@@ -15,14 +15,28 @@
 
 #define MFSDP_CTX_MAGIC 0x6d66736470637478ULL /* "mfsdpctx" */
 
+/* The reduce-scatter of a group over a subset of its params (FSDP2 leaves out params that got
+ * no gradient in a backward): its schedule, built the first time the subset is seen. */
+typedef struct mfsdp_rs_variant {
+    unsigned char *mask;     /* nparams flags */
+    mfsdp_group_sched_t *gs; /* same segments as the group's, reduce layout over mask */
+    mfsdp_sched_ops_t rs_ops;
+} mfsdp_rs_variant_t;
+
+/* Most subsets of one group a context keeps schedules for. */
+#define MFSDP_CTX_MAX_VARIANTS 256
+
 typedef struct mfsdp_group_state {
     mfsdp_group_sched_t *gs;
     mfsdp_sched_ops_t ag_ops;
     mfsdp_sched_ops_t rs_ops;
     mfsdp_xfer_bufs_t *bufs; /* gs->nsegs (+1) entries, bound per call */
-    int initialized;         /* weights taken from the first all-gather */
-    int micro;               /* micro-steps accumulated since the last step */
-    int64_t nsteps;          /* optimizer steps run on this group (AdamW t) */
+    unsigned char *full;     /* nparams: the requires_grad mask (the full reduce) */
+    mfsdp_rs_variant_t *variants;
+    size_t nvariants;
+    int initialized; /* weights taken from the first all-gather */
+    int micro;       /* micro-steps accumulated since the last step */
+    int64_t nsteps;  /* optimizer steps run on this group (the schedule's t) */
 } mfsdp_group_state_t;
 
 struct mfsdp_ctx {
@@ -44,6 +58,12 @@ struct mfsdp_ctx {
     int accum;
     double clip;
     mfsdp_hparams_t hp;
+    int lr_factor_set; /* 1: lr_factor replaces the manifest's schedule */
+    double lr_factor;  /* the job's lr / its initial lr (mfsdp_ctx_set_lr_factor) */
+    /* per shard (plan->nshards) */
+    unsigned char *seen;  /* a gradient arrived in the current accumulation window */
+    int64_t *shard_steps; /* optimizer steps of this tensor (AdamW's t: torch counts per
+                             param, and skips a param without gradient) */
     /* scratch: staging then optimizer workspace */
     char *stage;
     size_t stage_bytes;
@@ -100,12 +120,12 @@ typedef struct mfsdp_tail_bufs {
     void *recv;
 } mfsdp_tail_bufs_t;
 
-/* Bind the staging buffers of group g's all-gather / reduce at base (NULL: only size them
- * into *need_p). */
+/* Bind the staging buffers of group g's all-gather / reduce (under schedule gs: the group's or
+ * one of its subset variants) at base (NULL: only size them into *need_p). */
 mfsdp_status_t mfsdp_ctx_bind_gather(struct mfsdp_ctx *ctx, size_t g, char *base, size_t *need_p,
                                      mfsdp_tail_bufs_t *tail);
-mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, char *base, size_t *need_p,
-                                     mfsdp_tail_bufs_t *tail);
+mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, const mfsdp_group_sched_t *gs,
+                                     char *base, size_t *need_p, mfsdp_tail_bufs_t *tail);
 
 /* FSDP's strided geometry of one param in a buffer layout (pack/unpack). */
 void mfsdp_ctx_geom(const mfsdp_buffer_layout_t *b, const mfsdp_param_layout_t *e, int world,

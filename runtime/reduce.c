@@ -12,20 +12,96 @@
 #include "mfsdp/kernels.h"
 #include "runtime/ctx.h"
 
-/* ---------------------------------------------------------------------------------------
- * Reduce
- */
+/* The schedule of group g's reduce over the params flagged in has_grad: the group's own for
+ * the full set, else a variant built the first time that subset is seen (every rank sees
+ * the same subsets in the same order, so every rank builds the same variants). */
+static mfsdp_status_t rs_variant(struct mfsdp_ctx *ctx, size_t g, const unsigned char *has_grad,
+                                 const mfsdp_group_sched_t **gs_p, const mfsdp_sched_ops_t **ops_p)
+{
+    mfsdp_group_state_t *gst = &ctx->groups[g];
+    const mfsdp_group_desc_t *gd = &ctx->manifest->groups[g];
+    size_t np = gd->nparams;
+    if (has_grad == NULL || memcmp(has_grad, gst->full, np) == 0) {
+        *gs_p = gst->gs;
+        *ops_p = &gst->rs_ops;
+        return MFSDP_OK;
+    }
+    for (size_t v = 0; v < gst->nvariants; v++) {
+        if (memcmp(gst->variants[v].mask, has_grad, np) == 0) {
+            *gs_p = gst->variants[v].gs;
+            *ops_p = &gst->variants[v].rs_ops;
+            return MFSDP_OK;
+        }
+    }
+    if (gst->nvariants == MFSDP_CTX_MAX_VARIANTS) {
+        MFSDP_WARN("group %s: more than %d different sets of params with gradients", gd->name,
+                   MFSDP_CTX_MAX_VARIANTS);
+        return MFSDP_ERR_UNSUPPORTED;
+    }
+    mfsdp_rs_variant_t *nv = realloc(gst->variants, (gst->nvariants + 1) * sizeof(*nv));
+    if (nv == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    gst->variants = nv;
+    mfsdp_rs_variant_t *v = &nv[gst->nvariants];
+    memset(v, 0, sizeof(*v));
+    mfsdp_status_t st = MFSDP_OK;
+    v->mask = malloc(np + 1);
+    if (v->mask == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    memcpy(v->mask, has_grad, np);
+    MFSDP_CHECK_GOTO(mfsdp_group_sched_create_masked(ctx->plan, g, has_grad, &v->gs), st, err);
+    MFSDP_CHECK_GOTO(mfsdp_sched_build(v->gs, ctx->rank, MFSDP_SCHED_DIR_REDUCE, ctx->reduce_algo,
+                                       ctx->chunk, &v->rs_ops),
+                     st, err);
+    size_t need;
+    mfsdp_tail_bufs_t tb;
+    MFSDP_CHECK_GOTO(mfsdp_ctx_bind_reduce(ctx, g, v->gs, NULL, &need, &tb), st, err);
+    if (need > ctx->stage_bytes) { /* a subset never needs more than the whole */
+        st = MFSDP_ERR_INTERNAL;
+        goto err;
+    }
+    gst->nvariants++;
+    *gs_p = v->gs;
+    *ops_p = &v->rs_ops;
+    return MFSDP_OK;
+err:
+    mfsdp_sched_ops_free(&v->rs_ops);
+    mfsdp_group_sched_destroy(v->gs);
+    free(v->mask);
+    return st;
+}
 
 mfsdp_status_t mfsdp_ctx_reduce(mfsdp_ctx_h ctx, size_t group, const void *sendbuf, void *recvbuf,
                                 size_t recvcount, mfsdp_dtype_t dtype, mfsdp_redop_t op,
                                 double scalar)
 {
+    return mfsdp_ctx_reduce_params(ctx, group, NULL, sendbuf, recvbuf, recvcount, dtype, op,
+                                   scalar);
+}
+
+mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsigned char *has_grad,
+                                       const void *sendbuf, void *recvbuf, size_t recvcount,
+                                       mfsdp_dtype_t dtype, mfsdp_redop_t op, double scalar)
+{
     MFSDP_CHECK(mfsdp_ctx_check(ctx));
     MFSDP_CHECK(mfsdp_ctx_group_check(ctx, group, "reduce"));
     mfsdp_group_state_t *gst = &ctx->groups[group];
-    const mfsdp_group_sched_t *gs = gst->gs;
+    const mfsdp_group_desc_t *gd = &ctx->manifest->groups[group];
+    const char *gname = gd->name;
+    for (size_t i = 0; has_grad != NULL && i < gd->nparams; i++) {
+        if (has_grad[i] > 1 || (has_grad[i] && !gst->full[i])) {
+            MFSDP_WARN("reduce of group %s: param %s %s", gname, gd->params[i].name,
+                       has_grad[i] > 1 ? "has a gradient flag other than 0 or 1"
+                                       : "is flagged with a gradient but does not require one");
+            return MFSDP_ERR_INVALID_ARG;
+        }
+    }
+    const mfsdp_group_sched_t *gs = NULL;
+    const mfsdp_sched_ops_t *rs_ops = NULL;
+    MFSDP_CHECK(rs_variant(ctx, group, has_grad, &gs, &rs_ops));
     const mfsdp_buffer_layout_t *rs = &gs->layout->rs;
-    const char *gname = ctx->manifest->groups[group].name;
     int n = ctx->world;
     if (op != MFSDP_OP_SUM && op != MFSDP_OP_AVG && op != MFSDP_OP_PREMULSUM) {
         MFSDP_WARN("reduce of group %s: unknown reduction op %d", gname, (int)op);
@@ -53,10 +129,15 @@ mfsdp_status_t mfsdp_ctx_reduce(mfsdp_ctx_h ctx, size_t group, const void *sendb
         ctx->reduces++;
         return MFSDP_OK;
     }
+    for (size_t i = 0; i < gd->nparams; i++) {
+        if (gs->layout->rs_entry[i] >= 0) {
+            ctx->seen[ctx->plan->group_first[group] + i] = 1;
+        }
+    }
 
     size_t need;
     mfsdp_tail_bufs_t tb = {0};
-    MFSDP_CHECK(mfsdp_ctx_bind_reduce(ctx, group, ctx->stage, &need, &tb));
+    MFSDP_CHECK(mfsdp_ctx_bind_reduce(ctx, group, gs, ctx->stage, &need, &tb));
     float sc = op == MFSDP_OP_PREMULSUM ? (float)scalar : 1.0f;
 
     /* Direct: own contributions (each tensor's full local gradient) packed once. */
@@ -88,7 +169,7 @@ mfsdp_status_t mfsdp_ctx_reduce(mfsdp_ctx_h ctx, size_t group, const void *sendb
     mfsdp_xfer_t x = {
         .dir = MFSDP_SCHED_DIR_REDUCE,
         .gs = gs,
-        .ops = &gst->rs_ops,
+        .ops = rs_ops,
         .bufs = gst->bufs,
         .dtype = dtype,
         .op = op,
@@ -117,7 +198,9 @@ mfsdp_status_t mfsdp_ctx_reduce(mfsdp_ctx_h ctx, size_t group, const void *sendb
         const mfsdp_param_layout_t *pe = &rs->entries[e];
         size_t shard = ctx->plan->group_first[group] + pi;
         float *grad = mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_GRAD);
-        MFSDP_CHECK(mfsdp_xfer_apply(grad, sum, (size_t)pe->s, op, n));
+        if (grad != NULL) { /* NULL under tail "job": the job keeps its own gradient */
+            MFSDP_CHECK(mfsdp_xfer_apply(grad, sum, (size_t)pe->s, op, n));
+        }
         /* The value FSDP's native collective would have produced, in the reduce dtype
          * (the send staging is free again and at least world times this size). */
         float *val = tb.send;

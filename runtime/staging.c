@@ -73,11 +73,10 @@ mfsdp_status_t mfsdp_ctx_bind_gather(struct mfsdp_ctx *ctx, size_t g, char *base
     return MFSDP_OK;
 }
 
-mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, char *base, size_t *need_p,
-                                     mfsdp_tail_bufs_t *tail)
+mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, const mfsdp_group_sched_t *gs,
+                                     char *base, size_t *need_p, mfsdp_tail_bufs_t *tail)
 {
     mfsdp_group_state_t *gst = &ctx->groups[g];
-    const mfsdp_group_sched_t *gs = gst->gs;
     size_t elt = mfsdp_dtype_size(gs->layout->rs.dtype);
     size_t n = (size_t)ctx->world;
     carver_t c = {.base = base};

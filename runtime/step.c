@@ -11,6 +11,7 @@
 
 #include "core/checks.h"
 #include "mfsdp/kernels.h"
+#include "core/settings.h"
 #include "runtime/ctx.h"
 
 /* ---------------------------------------------------------------------------------------
@@ -72,8 +73,11 @@ static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g)
                    gd->name);
         return MFSDP_ERR_STATE;
     }
-    int64_t t = gst->nsteps + 1;
-    double lr_scale = gd->lr_scale;
+    /* The schedule's factor at this group's step, or the job's own (the companion). */
+    double factor =
+        ctx->lr_factor_set ? ctx->lr_factor : mfsdp_schedule_factor(&ctx->hp.schedule, gst->nsteps);
+    double lr_scale = gd->lr_scale * factor;
+    size_t first = ctx->plan->group_first[g];
     mfsdp_muon_hp_t mh = {
         .lr = (float)(ctx->hp.lr * lr_scale),
         .momentum = (float)ctx->hp.momentum,
@@ -92,9 +96,11 @@ static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g)
     };
     for (size_t i = 0; i < gs->nsegs; i++) {
         const mfsdp_sched_seg_t *s = &gs->segs[i];
-        if (s->owner != ctx->rank || s->rs_entry < 0) {
-            continue; /* not ours, or frozen: torch's optimizers skip params without grad */
+        if (s->owner != ctx->rank || !ctx->seen[s->shard]) {
+            continue; /* not ours, or no gradient (frozen, or unused in this window): torch's
+                         optimizers skip a param whose grad is None */
         }
+        int64_t t = ++ctx->shard_steps[s->shard];
         const mfsdp_shard_t *sh = &ctx->plan->shards[s->shard];
         const mfsdp_param_desc_t *p = mfsdp_ctx_shard_param(ctx, s->shard);
         float *w = mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_MASTER);
@@ -115,8 +121,12 @@ static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g)
         size_t shard = ctx->plan->group_first[g] + pi;
         float *grad = mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_GRAD);
         size_t valid = mfsdp_ctx_slice_valid(ctx, &gs->layout->ag.entries[pi]);
-        if (grad == NULL || valid == 0) {
+        if (grad == NULL || !ctx->seen[shard]) {
             continue;
+        }
+        int64_t t = ++ctx->shard_steps[shard];
+        if (valid == 0) {
+            continue; /* a rank holding only padding rows of this tensor */
         }
         /* Only the real rows: padding stays exactly zero, as FSDP keeps it. */
         MFSDP_CHECK(mfsdp_cpu_adamw_update(mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_MASTER),
@@ -126,8 +136,9 @@ static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g)
                                            gd->params[pi].dtype, valid, t, &ah));
     }
     MFSDP_CHECK(for_each_grad(ctx, g, zero_fn, NULL));
+    memset(ctx->seen + first, 0, gd->nparams);
     gst->micro = 0;
-    gst->nsteps = t;
+    gst->nsteps++;
     ctx->steps++;
     return MFSDP_OK;
 }
@@ -211,7 +222,45 @@ mfsdp_status_t mfsdp_ctx_flush(mfsdp_ctx_h ctx)
 {
     MFSDP_CHECK(mfsdp_ctx_check(ctx));
     if (ctx->mode != MFSDP_STEP_LAZY) {
-        return MFSDP_OK;
+        return MFSDP_OK; /* eager steps ran already; manual ones are the caller's */
     }
     return mfsdp_ctx_step_groups(ctx, ctx->accum);
+}
+
+mfsdp_status_t mfsdp_ctx_set_lr_factor(mfsdp_ctx_h ctx, double factor)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    if (isnan(factor) || isinf(factor)) {
+        MFSDP_WARN("lr factor %g is not finite", factor);
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    ctx->lr_factor_set = factor >= 0.0;
+    ctx->lr_factor = factor >= 0.0 ? factor : 0.0;
+    return MFSDP_OK;
+}
+
+mfsdp_status_t mfsdp_ctx_grad_sqnorm(mfsdp_ctx_h ctx, double *sq_p)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    MFSDP_CHECK_ARG(sq_p != NULL);
+    double sq = 0.0;
+    for (size_t g = 0; g < ctx->manifest->ngroups; g++) {
+        MFSDP_CHECK(for_each_grad(ctx, g, sq_fn, &sq));
+    }
+    *sq_p = sq;
+    return MFSDP_OK;
+}
+
+mfsdp_status_t mfsdp_ctx_scale_grads(mfsdp_ctx_h ctx, double coef)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    if (!isfinite(coef)) {
+        MFSDP_WARN("gradient scale %g is not finite", coef);
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    float c = (float)coef;
+    for (size_t g = 0; g < ctx->manifest->ngroups; g++) {
+        MFSDP_CHECK(for_each_grad(ctx, g, scale_fn, &c));
+    }
+    return MFSDP_OK;
 }

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "core/config.h"
+#include "core/settings.h"
 #include "core/sequence.h"
 #include "core/log.h"
 #include "mfsdp/manifest.h"
@@ -30,7 +31,7 @@
 #define MIB        (1024.0 * 1024.0)
 
 static const char usage_text[] =
-    "usage: " PROG " MANIFEST --world-size N [--json] [--tail owner|shard|auto]\n"
+    "usage: " PROG " MANIFEST --world-size N [--json] [--tail owner|shard|auto|job]\n"
     "                  [--mem-limit SIZE] [--record FILE] [--write-manifest OUT]\n"
     "       " PROG " --env\n"
     "\n"
@@ -41,7 +42,8 @@ static const char usage_text[] =
     "\n"
     "  -n, --world-size N   number of ranks (must match the manifest's world_size if set)\n"
     "  -j, --json           print the plan as JSON (mfsdp-plan/1) instead of a table\n"
-    "  -t, --tail POLICY    AdamW tensors: owner, shard or auto (default: MFSDP_TAIL)\n"
+    "  -t, --tail POLICY    AdamW tensors: owner, shard, auto or job (default: MFSDP_TAIL, then\n"
+    "                       the manifest's training.tail, then auto)\n"
     "  -m, --mem-limit SIZE owner-arena bytes per rank, K/M/G/T suffixes, 0 = unlimited\n"
     "                       (default: MFSDP_MEM_LIMIT)\n"
     "  -r, --record FILE    join a call record (written by the shim with MFSDP_RECORD=FILE)\n"
@@ -148,7 +150,11 @@ static int parse_tail(const char *s, mfsdp_tail_policy_t *out)
         const char *name;
         mfsdp_tail_policy_t tail;
     } names[] = {
-        {"owner", MFSDP_TAIL_OWNER}, {"shard", MFSDP_TAIL_SHARD}, {"auto", MFSDP_TAIL_AUTO}};
+        {"owner", MFSDP_TAIL_OWNER},
+        {"shard", MFSDP_TAIL_SHARD},
+        {"auto", MFSDP_TAIL_AUTO},
+        {"job", MFSDP_TAIL_JOB},
+    };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         if (strcasecmp(s, names[i].name) == 0) {
             *out = names[i].tail;
@@ -160,7 +166,10 @@ static int parse_tail(const char *s, mfsdp_tail_policy_t *out)
 
 static const char *tail_name(mfsdp_tail_policy_t t)
 {
-    return t == MFSDP_TAIL_OWNER ? "owner" : t == MFSDP_TAIL_SHARD ? "shard" : "auto";
+    return t == MFSDP_TAIL_OWNER   ? "owner"
+           : t == MFSDP_TAIL_SHARD ? "shard"
+           : t == MFSDP_TAIL_JOB   ? "job"
+                                   : "auto";
 }
 
 /* ---- table ---------------------------------------------------------------------------- */
@@ -320,7 +329,7 @@ int main(int argc, char **argv)
             break;
         case 't':
             if (parse_tail(optarg, &tail) != 0) {
-                return usage_error("--tail '%s': expected owner, shard or auto", optarg);
+                return usage_error("--tail '%s': expected owner, shard, auto or job", optarg);
             }
             have_tail = 1;
             break;
@@ -390,11 +399,6 @@ int main(int argc, char **argv)
         fprintf(stderr, PROG ": %s\n", warn[0] ? warn : mfsdp_status_string(st));
         goto out;
     }
-    if (!have_tail) {
-        tail = cfg->tail == MFSDP_CFG_TAIL_OWNER   ? MFSDP_TAIL_OWNER
-               : cfg->tail == MFSDP_CFG_TAIL_SHARD ? MFSDP_TAIL_SHARD
-                                                   : MFSDP_TAIL_AUTO;
-    }
     if (!have_mem) {
         mem_limit = cfg->mem_limit;
     }
@@ -405,11 +409,22 @@ int main(int argc, char **argv)
         fprintf(stderr, PROG ": %s\n", err[0] ? err : (warn[0] ? warn : mfsdp_status_string(st)));
         goto out;
     }
+    if (!have_tail) { /* MFSDP_TAIL, else the manifest's training.tail, else auto */
+        mfsdp_settings_t set;
+        st = mfsdp_settings_resolve(m, cfg, &set, err, sizeof(err));
+        if (st != MFSDP_OK) {
+            capture_end(&cap, 0, warn, sizeof(warn));
+            fprintf(stderr, PROG ": %s\n", err);
+            goto out;
+        }
+        tail = set.tail;
+    }
     if (record_path != NULL) {
         st = join_record(m, world, record_path, err, sizeof(err));
         if (st != MFSDP_OK) {
             capture_end(&cap, 0, warn, sizeof(warn));
-            fprintf(stderr, PROG ": %s\n", err[0] ? err : (warn[0] ? warn : mfsdp_status_string(st)));
+            fprintf(stderr, PROG ": %s\n",
+                    err[0] ? err : (warn[0] ? warn : mfsdp_status_string(st)));
             goto out;
         }
     }

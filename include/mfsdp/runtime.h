@@ -70,28 +70,29 @@ typedef struct mfsdp_ctx_opts {
     mfsdp_algo_t gather_algo;
     mfsdp_algo_t reduce_algo;    /**< reduce-to-owner algorithm; AUTO: MFSDP_REDUCE_ALGO */
     size_t chain_chunk;          /**< chain pipeline chunk in bytes; 0: MFSDP_CHAIN_CHUNK */
-    int has_step_mode;           /**< 1: use @ref step_mode; 0: MFSDP_STEP */
-    mfsdp_step_mode_t step_mode; /**< eager or lazy */
-    int accum_steps;             /**< micro-steps per optimizer step; 0: MFSDP_ACCUM_STEPS */
-    int has_clip;                /**< 1: use @ref clip; 0: MFSDP_CLIP */
+    int has_step_mode;           /**< 1: use @ref step_mode; 0: MFSDP_STEP, the manifest */
+    mfsdp_step_mode_t step_mode; /**< eager, lazy or manual */
+    int accum_steps;             /**< reduces per optimizer step; 0: MFSDP_ACCUM_STEPS, the
+                                      manifest's training.micro_steps */
+    int has_clip;                /**< 1: use @ref clip; 0: MFSDP_CLIP, the manifest */
     double clip;                 /**< global gradient-norm threshold, 0 = off */
     int no_mlock;                /**< 1: do not page-lock the arena (else MFSDP_MLOCK) */
 } mfsdp_ctx_opts_t;
 
 /** One parameter as seen from this rank (mfsdp_ctx_get_param()). */
 typedef struct mfsdp_param_view {
-    size_t group;          /**< group index in the manifest */
-    size_t param;          /**< param index in its group */
-    mfsdp_role_t role;     /**< MUON or ADAMW */
-    int owner;             /**< owner rank, or MFSDP_OWNER_SHARDED */
-    int local;             /**< 1 when this rank holds the tensor (owner) or a slice of it */
-    int initialized;       /**< 1 once the group's first all-gather took the weights */
-    mfsdp_dtype_t dtype;   /**< param (comm) dtype */
-    int ndim;              /**< as in the manifest */
+    size_t group;        /**< group index in the manifest */
+    size_t param;        /**< param index in its group */
+    mfsdp_role_t role;   /**< MUON or ADAMW */
+    int owner;           /**< owner rank, or MFSDP_OWNER_SHARDED */
+    int local;           /**< 1 when this rank holds the tensor (owner) or a slice of it */
+    int initialized;     /**< 1 once the group's first all-gather took the weights */
+    mfsdp_dtype_t dtype; /**< param (comm) dtype */
+    int ndim;            /**< as in the manifest */
     int64_t shape[MFSDP_MAX_DIMS];
-    int64_t rows;          /**< 2-D view rows */
-    int64_t cols;          /**< 2-D view cols */
-    int64_t numel;         /**< elements of the whole tensor */
+    int64_t rows;  /**< 2-D view rows */
+    int64_t cols;  /**< 2-D view cols */
+    int64_t numel; /**< elements of the whole tensor */
     /** Elements held here: numel for an owned tensor, the FSDP slice (c * R, including
      *  padding rows) for a sharded-tail tensor, 0 when not local. */
     size_t local_elems;
@@ -99,29 +100,29 @@ typedef struct mfsdp_param_view {
     size_t local_offset;
     /** Elements of the local data that are real rows (the rest is zero padding). */
     size_t local_valid;
-    const float *master;   /**< fp32 master weights (local_elems), NULL when not local */
-    const float *grad;     /**< fp32 accumulated gradient, NULL when not local or frozen */
-    const void *comm;      /**< comm-dtype copy (local_elems of dtype), NULL when not local */
+    const float *master; /**< fp32 master weights (local_elems), NULL when not local */
+    const float *grad;   /**< fp32 accumulated gradient, NULL when not local or frozen */
+    const void *comm;    /**< comm-dtype copy (local_elems of dtype), NULL when not local */
 } mfsdp_param_view_t;
 
 /** Counters and memory of a context on this rank (mfsdp_ctx_get_stats()). */
 typedef struct mfsdp_ctx_stats {
-    int rank;                               /**< this rank */
-    int world;                              /**< communicator size */
-    size_t arena_bytes[MFSDP_ARENA_NCAT];   /**< owner-arena bytes per category */
-    size_t staging_bytes;                   /**< communication staging + optimizer workspace */
-    size_t peak_bytes;                      /**< everything the context keeps allocated */
-    int mlocked;                            /**< 1 when the arena is page-locked */
-    int numa_node;                          /**< NUMA node the arena is bound to, -1 if none */
-    uint64_t steps;                         /**< optimizer steps run (any group) */
-    uint64_t allgathers;                    /**< mfsdp_ctx_allgather() calls completed */
-    uint64_t reduces;                       /**< mfsdp_ctx_reduce() calls completed */
-    double step_seconds;                    /**< wall time spent in owner optimizer steps */
-    double last_grad_norm;                  /**< global norm of the last clipped step, or -1 */
-    mfsdp_algo_t gather_algo;               /**< resolved algorithms */
+    int rank;                             /**< this rank */
+    int world;                            /**< communicator size */
+    size_t arena_bytes[MFSDP_ARENA_NCAT]; /**< owner-arena bytes per category */
+    size_t staging_bytes;                 /**< communication staging + optimizer workspace */
+    size_t peak_bytes;                    /**< everything the context keeps allocated */
+    int mlocked;                          /**< 1 when the arena is page-locked */
+    int numa_node;                        /**< NUMA node the arena is bound to, -1 if none */
+    uint64_t steps;                       /**< optimizer steps run (any group) */
+    uint64_t allgathers;                  /**< mfsdp_ctx_allgather() calls completed */
+    uint64_t reduces;                     /**< mfsdp_ctx_reduce() calls completed */
+    double step_seconds;                  /**< wall time spent in owner optimizer steps */
+    double last_grad_norm;                /**< global norm of the last clipped step, or -1 */
+    mfsdp_algo_t gather_algo;             /**< resolved algorithms */
     mfsdp_algo_t reduce_algo;
-    mfsdp_step_mode_t step_mode;            /**< resolved step mode */
-    int accum_steps;                        /**< resolved micro-steps per step */
+    mfsdp_step_mode_t step_mode; /**< resolved step mode */
+    int accum_steps;             /**< resolved micro-steps per step */
 } mfsdp_ctx_stats_t;
 
 /**
@@ -137,7 +138,9 @@ typedef struct mfsdp_ctx_stats {
  * @param [in]  ctx      context
  * @param [in]  group    group index in the manifest
  * @param [in]  sendbuf  this rank's shard (count elements); may equal recvbuf + r*count*elt
- *                       (FSDP's in-place convention); only read on a group's first call
+ *                       (FSDP's in-place convention); read on a group's first call, and on
+ *                       every call under tail policy "job" (the job's own slices of its
+ *                       AdamW tensors travel)
  * @param [out] recvbuf  world * count elements
  * @param [in]  count    S in units of @p dtype; must equal the group's all-gather count
  * @param [in]  dtype    the group's all-gather dtype (MFSDP_UINT8 for mixed-dtype groups)
@@ -171,6 +174,41 @@ MFSDP_API mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, cons
 MFSDP_API mfsdp_status_t mfsdp_ctx_reduce(mfsdp_ctx_h ctx, size_t group, const void *sendbuf,
                                           void *recvbuf, size_t recvcount, mfsdp_dtype_t dtype,
                                           mfsdp_redop_t op, double scalar);
+
+/**
+ * @brief Reduce-to-owner of a reduce-scatter over a subset of the group's params.
+ *
+ * FSDP2 reduces only the params that got a gradient in this backward (frozen and unused
+ * params drop out, so the count shrinks). @p has_grad holds one flag per param of the group:
+ * 1 when the param is in this reduce-scatter. NULL means every requires_grad param (then this
+ * is mfsdp_ctx_reduce()). A param without gradient in a whole accumulation window is not
+ * stepped and keeps its optimizer state, as torch's optimizers skip a param whose grad is
+ * None. Every rank must pass the same flags.
+ * @return as mfsdp_ctx_reduce(); MFSDP_ERR_INVALID_ARG for a flag on a param that does not
+ *         require a gradient, MFSDP_ERR_MISMATCH when recvcount is not that subset's S'
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group,
+                                                 const unsigned char *has_grad, const void *sendbuf,
+                                                 void *recvbuf, size_t recvcount,
+                                                 mfsdp_dtype_t dtype, mfsdp_redop_t op,
+                                                 double scalar);
+
+/**
+ * @brief Multiply the learning rates of the following steps by @p factor (the job's own
+ *        schedule: its current lr / its initial lr). Replaces the manifest's schedule; a
+ *        negative factor returns to it. Not collective (every rank should set the same).
+ * @return MFSDP_OK, MFSDP_ERR_STATE, MFSDP_ERR_INVALID_ARG (not finite)
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_set_lr_factor(mfsdp_ctx_h ctx, double factor);
+
+/**
+ * @brief This rank's squared L2 norm of the accumulated gradients it holds (owned tensors and
+ *        sharded-tail slices), not reduced across ranks. Not collective.
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_grad_sqnorm(mfsdp_ctx_h ctx, double *sq_p);
+
+/** @brief Multiply the accumulated gradients this rank holds by @p coef. Not collective. */
+MFSDP_API mfsdp_status_t mfsdp_ctx_scale_grads(mfsdp_ctx_h ctx, double coef);
 
 /**
  * @brief End the accumulation window now: run the optimizer step of every group that has

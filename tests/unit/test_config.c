@@ -27,9 +27,13 @@ Test(config, defaults)
     mfsdp_config_t cfg;
     char err[256];
     cr_assert_eq(mfsdp_config_parse(table_lookup, none, &cfg, err, sizeof(err)), MFSDP_OK);
-    cr_expect_eq(cfg.accum_steps, 1);
-    cr_expect_eq(cfg.step, MFSDP_CFG_STEP_EAGER);
-    cr_expect_eq(cfg.tail, MFSDP_CFG_TAIL_AUTO);
+    /* Unset: the manifest decides (core/settings.c). */
+    cr_expect_eq(cfg.accum_steps_set, 0);
+    cr_expect_eq(cfg.step_set, 0);
+    cr_expect_eq(cfg.tail_set, 0);
+    cr_expect_eq(cfg.clip_set, 0);
+    cr_expect_eq(cfg.grad_divide_set, 0);
+    cr_expect_eq(cfg.record_max, 100000);
     cr_expect_eq(cfg.mem_limit, 0);
     cr_expect_eq(cfg.chain_chunk, (size_t)1 << 20);
     cr_expect_eq(cfg.lr_set, 0);
