@@ -285,27 +285,29 @@ typedef struct model_case {
 ParameterizedTestParameters(tuner, model)
 {
     static model_case_t cases[] = {
-        /* one node, 8 ranks: LL while a channel's piece is small (latency) ... */
+        /* One node, 8 ranks: LL while the pieces are small (latency) ... */
         {ncclFuncBroadcast, 8, 1, 0, 1, NCCL_PROTO_LL, 1},
         {ncclFuncBroadcast, 8, 1, 64 * KiB, 1, NCCL_PROTO_LL, 1},
         {ncclFuncReduce, 8, 1, 256 * KiB, 1, NCCL_PROTO_LL, 1},
-        /* ... LL128 from about 360 KiB per channel, a channel per 512 KiB ... */
+        /* ... LL128 from about 350 KiB per channel, a channel per 512 KiB ... */
         {ncclFuncBroadcast, 8, 1, 512 * KiB, 1, NCCL_PROTO_LL128, 1},
         {ncclFuncReduce, 8, 1, 1 * MiB, 1, NCCL_PROTO_LL128, 2},
         {ncclFuncBroadcast, 8, 1, 4 * MiB, 1, NCCL_PROTO_LL128, 8},
-        /* ... Simple once pieces pass about 1.1 MiB, up to 32 channels. */
-        {ncclFuncBroadcast, 8, 1, 64 * MiB, 1, NCCL_PROTO_SIMPLE, 32},
-        {ncclFuncReduce, 8, 1, SIZE_MAX, 1, NCCL_PROTO_SIMPLE, 32},
+        /* ... Simple for large ops, at most the 16 channels that fill NVLink. */
+        {ncclFuncBroadcast, 8, 1, 64 * MiB, 1, NCCL_PROTO_SIMPLE, 16},
+        {ncclFuncReduce, 8, 1, SIZE_MAX, 1, NCCL_PROTO_SIMPLE, 16},
         /* Many ops per channel: fewer channels each, so bigger pieces. */
         {ncclFuncReduce, 8, 1, 4 * MiB, 4, NCCL_PROTO_SIMPLE, 2},
         {ncclFuncBroadcast, 8, 1, 64 * MiB, 64, NCCL_PROTO_SIMPLE, 1},
         {ncclFuncBroadcast, 8, 1, 64 * KiB, 8, NCCL_PROTO_LL, 1},
         /* Two ranks: a short ring, Simple's latency matters less. */
         {ncclFuncBroadcast, 2, 1, 4 * MiB, 1, NCCL_PROTO_SIMPLE, 8},
-        /* Two nodes, 16 ranks: network hops and bandwidth. */
+        /* Across nodes: network hops, and the NIC fills with 3 channels. */
         {ncclFuncBroadcast, 16, 2, 64 * KiB, 1, NCCL_PROTO_LL, 1},
-        {ncclFuncReduce, 16, 2, 4 * MiB, 1, NCCL_PROTO_LL128, 8},
-        {ncclFuncBroadcast, 16, 2, 256 * MiB, 1, NCCL_PROTO_SIMPLE, 32},
+        {ncclFuncReduce, 16, 2, 4 * MiB, 1, NCCL_PROTO_LL128, 3},
+        {ncclFuncBroadcast, 16, 2, 256 * MiB, 1, NCCL_PROTO_SIMPLE, 3},
+        /* 64 ranks: LL's low latency over 63 hops, but not at half the NIC's rate. */
+        {ncclFuncBroadcast, 64, 8, 16 * MiB, 1, NCCL_PROTO_LL128, 3},
     };
     return cr_make_param_array(model_case_t, cases, sizeof(cases) / sizeof(cases[0]));
 }
