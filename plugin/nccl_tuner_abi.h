@@ -37,8 +37,10 @@ typedef enum {
 
 #define NCCL_TUNING 0x40
 
+/* printf-checked here (NCCL's typedef has no attribute; the ABI is the same). */
 typedef void (*ncclDebugLogger_t)(ncclDebugLogLevel level, unsigned long flags, const char *file,
-                                  int line, const char *fmt, ...);
+                                  int line, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
 
 /* nccl_common.h: the collective passed to getCollInfo. Only the first five reach a tuner
  * (NCCL_NUM_FUNCTIONS == 5): send/recv are P2P, and 2.28 runs AlltoAll/Gather/Scatter as

@@ -8,7 +8,6 @@
  * getCollInfo never fails and never picks a cell NCCL ruled out (-1): when the preferred
  * cell is ruled out it leaves the table and the channel count to NCCL.
  */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,21 +24,6 @@ typedef struct tuner_ctx {
     mfsdp_tuner_rule_t *rules;
     size_t nrules;
 } tuner_ctx_t;
-
-void mfsdp_tuner_log(ncclDebugLogger_t logger, ncclDebugLogLevel level, const char *file, int line,
-                     const char *fmt, ...)
-{
-    if (logger == NULL) {
-        return;
-    }
-    /* NCCL's logger has no va_list entry point: format here, pass the text as "%s". */
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof(msg), fmt, ap);
-    va_end(ap);
-    logger(level, NCCL_TUNING, file, line, "%s", msg);
-}
 
 static ncclResult_t tuner_init(const char *abi, size_t nranks, size_t nnodes,
                                ncclDebugLogger_t logger, void **ctx_p)

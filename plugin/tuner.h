@@ -38,16 +38,17 @@ typedef struct mfsdp_tuner_choice {
     int channels; /* >= 1 */
 } mfsdp_tuner_choice_t;
 
-/* Logs through NCCL's logger (subsystem NCCL_TUNING); a NULL logger drops the message. */
-void mfsdp_tuner_log(ncclDebugLogger_t logger, ncclDebugLogLevel level, const char *file, int line,
-                     const char *fmt, ...) __attribute__((format(printf, 5, 6)));
-
-#define TUNER_WARN(logger, ...)                                                                    \
-    mfsdp_tuner_log(logger, NCCL_LOG_WARN, __FILE__, __LINE__, __VA_ARGS__)
-#define TUNER_INFO(logger, ...)                                                                    \
-    mfsdp_tuner_log(logger, NCCL_LOG_INFO, __FILE__, __LINE__, __VA_ARGS__)
-#define TUNER_TRACE(logger, ...)                                                                   \
-    mfsdp_tuner_log(logger, NCCL_LOG_TRACE, __FILE__, __LINE__, __VA_ARGS__)
+/* Logs through NCCL's logger (subsystem NCCL_TUNING); a NULL logger drops the message.
+ * The format goes to NCCL unformatted, so NCCL filters by level before any formatting. */
+#define TUNER_LOG(logger, level, ...)                                                              \
+    do {                                                                                           \
+        if ((logger) != NULL) {                                                                    \
+            (logger)((level), NCCL_TUNING, __FILE__, __LINE__, __VA_ARGS__);                       \
+        }                                                                                          \
+    } while (0)
+#define TUNER_WARN(logger, ...)  TUNER_LOG(logger, NCCL_LOG_WARN, __VA_ARGS__)
+#define TUNER_INFO(logger, ...)  TUNER_LOG(logger, NCCL_LOG_INFO, __VA_ARGS__)
+#define TUNER_TRACE(logger, ...) TUNER_LOG(logger, NCCL_LOG_TRACE, __VA_ARGS__)
 
 /* Reads the rules of `path`. Every line is a rule, a comment (first non-blank character
  * '#') or blank; any other line fails the whole load with a WARN naming path:line and
