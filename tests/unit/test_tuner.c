@@ -850,12 +850,22 @@ Test(tuner, missing_config_file)
 
 Test(tuner, config_is_a_directory)
 {
+    /* fopen succeeds on a directory, the first read fails. */
     setenv("MFSDP_TUNER_CONFIG", "/tmp", 1);
     for (int abi = ABI_V4; abi <= ABI_V5; abi++) {
         log_reset();
         void *ctx = NULL;
-        cr_expect_neq(t_init(abi, 8, 1, &ctx), ncclSuccess);
+        cr_expect_eq(t_init(abi, 8, 1, &ctx), ncclSystemError);
         cr_expect_null(ctx);
-        cr_expect_eq(log_find("/tmp", NULL), 1);
+        cr_expect_eq(log_find("error reading /tmp after line 0: Is a directory", NULL), 1);
+    }
+}
+
+Test(tuner, init_without_context_pointer)
+{
+    for (int abi = ABI_V4; abi <= ABI_V5; abi++) {
+        log_reset();
+        cr_expect_eq(t_init(abi, 8, 1, NULL), ncclInvalidArgument);
+        cr_expect_eq(log_find("init called without a context pointer", NULL), 1);
     }
 }
