@@ -73,6 +73,9 @@
     X(BOOL, MFSDP_REPORT, report, "0", "",                                                         \
       "the shim prints one 'mfsdp report:' line per rank and communicator at exit (owner "         \
       "step time, call counts, arena memory)")                                                     \
+    X(STR, MFSDP_TUNER_CONFIG, tuner_config, "", "",                                          \
+      "CSV of overrides for the NCCL tuner plugin libnccl-tuner-mfsdp.so (read by the plugin, " \
+      "NCCL's example-tuner format; docs/tuner.md)")                                          \
     X(INT, MFSDP_THREADS, threads, "", "1:1024",                                                   \
       "BLAS threads of the process, set when a context is created (unset: leave OpenBLAS's "       \
       "own setting, e.g. OPENBLAS_NUM_THREADS=1 with one rank per core)")

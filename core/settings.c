@@ -299,7 +299,7 @@ mfsdp_status_t mfsdp_settings_resolve(const mfsdp_manifest_t *m, const mfsdp_con
 /* Variables each rank may set as it likes: logging, local memory and threading. */
 static const char *const local_vars[] = {
     "MFSDP_DEBUG",  "MFSDP_DEBUG_SUBSYS", "MFSDP_DEBUG_FILE", "MFSDP_MLOCK",  "MFSDP_NUMA_BIND",
-    "MFSDP_REPORT", "MFSDP_THREADS",      "MFSDP_MANIFEST",   "MFSDP_RECORD",
+    "MFSDP_REPORT", "MFSDP_THREADS",      "MFSDP_MANIFEST",   "MFSDP_RECORD", "MFSDP_TUNER_CONFIG",
 };
 
 static void put(mfsdp_fp_item_t *it, const char *name, const char *value)
