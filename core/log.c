@@ -142,10 +142,41 @@ static const char *subsys_name(unsigned subsys)
     return NULL;
 }
 
+static __thread int capture_on;
+static __thread char capture_msg[1024];
+
+void mfsdp_log_capture_begin(void)
+{
+    capture_on = 1;
+    capture_msg[0] = '\0';
+}
+
+void mfsdp_log_capture_end(char *buf, size_t len)
+{
+    capture_on = 0;
+    if (buf != NULL && len > 0) {
+        snprintf(buf, len, "%s", capture_msg);
+    }
+    capture_msg[0] = '\0';
+}
+
 void mfsdp_log(mfsdp_log_level_t level, unsigned subsys, const char *file, int line,
                const char *fmt, ...)
 {
     int saved_errno = errno; /* keep %m meaningful */
+    if (level == MFSDP_LOG_WARN && capture_on) {
+        va_list ap;
+        va_start(ap, fmt);
+        char msg[1024];
+        vsnprintf(msg, sizeof(msg), fmt, ap);
+        va_end(ap);
+        if (capture_msg[0] == '\0') {
+            snprintf(capture_msg, sizeof(capture_msg), "%s", msg);
+        }
+        errno = saved_errno;
+        mfsdp_log(MFSDP_LOG_INFO, MFSDP_SUBSYS_ALL, file, line, "(reported by the caller) %s", msg);
+        return;
+    }
     if (!mfsdp_log_enabled(level, subsys)) {
         errno = saved_errno;
         return;
@@ -157,7 +188,9 @@ void mfsdp_log(mfsdp_log_level_t level, unsigned subsys, const char *file, int l
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
 
-    const char *lname = level == MFSDP_LOG_WARN ? "WARN" : level == MFSDP_LOG_INFO ? "INFO" : "TRACE";
+    const char *lname = level == MFSDP_LOG_WARN   ? "WARN"
+                        : level == MFSDP_LOG_INFO ? "INFO"
+                                                  : "TRACE";
     const char *sname = subsys_name(subsys);
     pthread_mutex_lock(&log_lock);
     if (level == MFSDP_LOG_WARN) {

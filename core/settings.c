@@ -346,3 +346,84 @@ size_t mfsdp_settings_fingerprint(const mfsdp_manifest_t *m, int world, const mf
     }
     return n;
 }
+
+mfsdp_status_t mfsdp_settings_agree(const mfsdp_fp_item_t *items, size_t n,
+                                    const mfsdp_agree_ops_t *ops, char *err, size_t errlen)
+{
+    MFSDP_CHECK_ARG(items != NULL && ops != NULL && n <= MFSDP_FP_MAX && ops->world >= 1);
+    uint64_t lo[MFSDP_FP_MAX], hi[MFSDP_FP_MAX];
+    for (size_t i = 0; i < n; i++) {
+        lo[i] = hi[i] = items[i].hash;
+    }
+    if (ops->allreduce_u64(ops->arg, lo, n, 0) != 0 ||
+        ops->allreduce_u64(ops->arg, hi, n, 1) != 0) {
+        SETERR("exchanging settings with the other ranks failed");
+        return MFSDP_ERR_TRANSPORT;
+    }
+    size_t bad = n;
+    for (size_t i = 0; i < n && bad == n; i++) {
+        if (lo[i] != hi[i]) {
+            bad = i;
+        }
+    }
+    if (bad == n) {
+        return MFSDP_OK;
+    }
+    /* Every rank takes part in the same gather (the decision above is the same everywhere). */
+    size_t w = (size_t)ops->world;
+    char *all = calloc(w, MFSDP_FP_VALUE_LEN);
+    char *mine = calloc(1, MFSDP_FP_VALUE_LEN);
+    if (all == NULL || mine == NULL ||
+        ops->allgather(ops->arg, memcpy(mine, items[bad].value, MFSDP_FP_VALUE_LEN),
+                       MFSDP_FP_VALUE_LEN, all) != 0) {
+        SETERR("%s differs across ranks (and gathering the values failed)", items[bad].name);
+        free(all);
+        free(mine);
+        return MFSDP_ERR_MISMATCH;
+    }
+    /* "NAME differs across ranks: 'a' on ranks 0-1,3, 'b' on rank 2" (at most 4 values). */
+    char msg[1024];
+    size_t used = (size_t)snprintf(msg, sizeof(msg), "%s differs across ranks:", items[bad].name);
+    unsigned char *done = calloc(w, 1);
+    size_t shown = 0;
+    for (size_t r = 0; done != NULL && r < w && used < sizeof(msg); r++) {
+        if (done[r]) {
+            continue;
+        }
+        const char *v = all + r * MFSDP_FP_VALUE_LEN;
+        if (shown == 4) {
+            used += (size_t)snprintf(msg + used, sizeof(msg) - used, " ...");
+            break;
+        }
+        size_t count = 0;
+        for (size_t q = r; q < w; q++) {
+            count += !done[q] && strncmp(v, all + q * MFSDP_FP_VALUE_LEN, MFSDP_FP_VALUE_LEN) == 0;
+        }
+        used += (size_t)snprintf(msg + used, sizeof(msg) - used, "%s '%.*s' on rank%s",
+                                 shown ? "," : "", MFSDP_FP_VALUE_LEN, v, count > 1 ? "s" : "");
+        size_t runs = 0;
+        for (size_t q = r; q < w && used < sizeof(msg); q++) {
+            if (done[q] || strncmp(v, all + q * MFSDP_FP_VALUE_LEN, MFSDP_FP_VALUE_LEN) != 0) {
+                continue;
+            }
+            size_t e = q; /* a run q..e of ranks with this value */
+            while (e + 1 < w && !done[e + 1] &&
+                   strncmp(v, all + (e + 1) * MFSDP_FP_VALUE_LEN, MFSDP_FP_VALUE_LEN) == 0) {
+                e++;
+            }
+            used += (size_t)snprintf(msg + used, sizeof(msg) - used, e > q ? "%s%zu-%zu" : "%s%zu",
+                                     runs ? "," : " ", q, e);
+            for (size_t k = q; k <= e; k++) {
+                done[k] = 1;
+            }
+            runs++;
+            q = e;
+        }
+        shown++;
+    }
+    SETERR("%s; every rank must run with the same MFSDP_* settings and manifest", msg);
+    free(done);
+    free(all);
+    free(mine);
+    return MFSDP_ERR_MISMATCH;
+}

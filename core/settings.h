@@ -80,6 +80,28 @@ typedef struct mfsdp_fp_item {
 size_t mfsdp_settings_fingerprint(const mfsdp_manifest_t *m, int world, const mfsdp_config_t *cfg,
                                   mfsdp_fp_item_t *items);
 
+/* How mfsdp_settings_agree() talks to the other ranks (a transport, or the shim's PMPI). Each
+ * returns 0 on success. */
+typedef struct mfsdp_agree_ops {
+    /* element-wise min (is_max 0) or max (1) of n uint64 over every rank, in place */
+    int (*allreduce_u64)(void *arg, uint64_t *buf, size_t n, int is_max);
+    /* bytes from every rank, rank-major into all */
+    int (*allgather)(void *arg, const void *mine, size_t bytes, void *all);
+    void *arg;
+    int rank;
+    int world;
+} mfsdp_agree_ops_t;
+
+/*
+ * Compare a fingerprint across ranks (collective: every rank calls it with the same number of
+ * items). MFSDP_OK when every rank has the same value of every item; MFSDP_ERR_MISMATCH with a
+ * one-line message, identical on every rank, naming the first item that differs and the value
+ * on each distinct rank group ("MFSDP_TAIL differs across ranks: 'auto' on ranks 0-2, 'owner'
+ * on rank 3"); MFSDP_ERR_TRANSPORT when the exchange itself fails.
+ */
+mfsdp_status_t mfsdp_settings_agree(const mfsdp_fp_item_t *items, size_t n,
+                                    const mfsdp_agree_ops_t *ops, char *err, size_t errlen);
+
 /* FNV-1a over bytes, for fingerprints. */
 uint64_t mfsdp_hash_bytes(uint64_t h, const void *p, size_t n);
 #define MFSDP_HASH_INIT 1469598103934665603ull

@@ -107,6 +107,12 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
                    count, mfsdp_dtype_name(dtype), ag->count, mfsdp_dtype_name(ag->dtype));
         return MFSDP_ERR_MISMATCH;
     }
+    if (ctx->awaiting >= 0) {
+        MFSDP_WARN("allgather of group %s: the replicate all-reduce of group %s (HSDP) did not "
+                   "follow its reduce-scatter",
+                   gname, ctx->manifest->groups[ctx->awaiting].name);
+        return MFSDP_ERR_STATE;
+    }
     int job_tail = ctx->plan->tail == MFSDP_TAIL_JOB && gs->ntail != 0;
     if (recvbuf == NULL || ((!gst->initialized || job_tail) && sendbuf == NULL && ag->bytes != 0)) {
         MFSDP_WARN("allgather of group %s: null buffer", gname);

@@ -178,6 +178,8 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
         }
         MFSDP_CHECK(build_ops(ctx, gst));
     }
+    ctx->awaiting = -1;
+    ctx->replicate = manifest->replicate > 1 ? manifest->replicate : 1;
     ctx->seen = calloc(ctx->plan->nshards + 1, 1);
     ctx->shard_steps = calloc(ctx->plan->nshards + 1, sizeof(*ctx->shard_steps));
     if (ctx->seen == NULL || ctx->shard_steps == NULL) {
@@ -221,6 +223,14 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
     }
     mfsdp_arena_opts_t ao = {.mlock = cfg->mlock && !opts->no_mlock, .numa_bind = cfg->numa_bind};
     MFSDP_CHECK(mfsdp_arena_create(&sizes, scratch, &ao, &ctx->arena));
+    if (ctx->replicate > 1) {
+        /* One reduce's gradients, in GRAD's layout, until the replicate all-reduce. */
+        ctx->hsdp_bytes = sizes.cat[MFSDP_ARENA_GRAD];
+        ctx->hsdp_in = calloc(ctx->hsdp_bytes + 1, 1);
+        if (ctx->hsdp_in == NULL) {
+            return MFSDP_ERR_NO_MEMORY;
+        }
+    }
     ctx->stage = mfsdp_arena_scratch(ctx->arena);
     ctx->stage_bytes = stage;
     ctx->ws = ws != 0 ? (float *)(ctx->stage + stage) : NULL;
@@ -236,6 +246,33 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
                                                : "manual",
                ctx->accum, ctx->clip, mfsdp_arena_peak_bytes(ctx->arena));
     return MFSDP_OK;
+}
+
+static int agree_u64(void *arg, uint64_t *buf, size_t n, int is_max)
+{
+    mfsdp_transport_t *t = arg;
+    return t->ops->allreduce_u64(t, buf, n, is_max) != MFSDP_OK;
+}
+
+static int agree_gather(void *arg, const void *mine, size_t bytes, void *all)
+{
+    mfsdp_transport_t *t = arg;
+    return t->ops->allgather_bytes(t, mine, bytes, all) != MFSDP_OK;
+}
+
+mfsdp_status_t mfsdp_ctx_agree(mfsdp_transport_t *tp, const mfsdp_manifest_t *manifest, int world)
+{
+    const mfsdp_config_t *cfg;
+    MFSDP_CHECK(mfsdp_config_get(&cfg));
+    mfsdp_fp_item_t items[MFSDP_FP_MAX];
+    size_t n = mfsdp_settings_fingerprint(manifest, world, cfg, items);
+    mfsdp_agree_ops_t ops = {agree_u64, agree_gather, tp, tp->rank, tp->world};
+    char err[1024];
+    mfsdp_status_t st = mfsdp_settings_agree(items, n, &ops, err, sizeof(err));
+    if (st != MFSDP_OK) {
+        MFSDP_WARN("%s", err);
+    }
+    return st;
 }
 
 void mfsdp_ctx_free(struct mfsdp_ctx *ctx)
@@ -263,6 +300,10 @@ void mfsdp_ctx_free(struct mfsdp_ctx *ctx)
     free(ctx->groups);
     free(ctx->seen);
     free(ctx->shard_steps);
+    free(ctx->hsdp_in);
+    if (ctx->rtp != NULL) {
+        ctx->rtp->ops->destroy(ctx->rtp);
+    }
     free(ctx->slots);
     mfsdp_arena_destroy(ctx->arena);
     mfsdp_plan_destroy(ctx->own_plan);

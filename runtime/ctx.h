@@ -34,9 +34,10 @@ typedef struct mfsdp_group_state {
     unsigned char *full;     /* nparams: the requires_grad mask (the full reduce) */
     mfsdp_rs_variant_t *variants;
     size_t nvariants;
-    int initialized; /* weights taken from the first all-gather */
-    int micro;       /* micro-steps accumulated since the last step */
-    int64_t nsteps;  /* optimizer steps run on this group (the schedule's t) */
+    const mfsdp_group_sched_t *last_rs; /* schedule of the group's last reduce */
+    int initialized;                    /* weights taken from the first all-gather */
+    int micro;                          /* micro-steps accumulated since the last step */
+    int64_t nsteps;                     /* optimizer steps run on this group (the schedule's t) */
 } mfsdp_group_state_t;
 
 struct mfsdp_ctx {
@@ -64,6 +65,13 @@ struct mfsdp_ctx {
     unsigned char *seen;  /* a gradient arrived in the current accumulation window */
     int64_t *shard_steps; /* optimizer steps of this tensor (AdamW's t: torch counts per
                              param, and skips a param without gradient) */
+    /* HSDP (manifest "replicate" > 1): a reduce lands in hsdp_in (GRAD's layout); the
+     * replicate all-reduce sums it over the replicas into the gradients. */
+    int replicate;
+    mfsdp_transport_t *rtp; /* over the replicate communicator, once attached */
+    char *hsdp_in;
+    size_t hsdp_bytes;
+    long awaiting; /* group whose replicate all-reduce is due, -1 */
     /* scratch: staging then optimizer workspace */
     char *stage;
     size_t stage_bytes;
@@ -107,6 +115,20 @@ static inline size_t mfsdp_ctx_slice_valid(const struct mfsdp_ctx *ctx,
     return (size_t)rows * (size_t)e->rest;
 }
 
+/* Where a reduce accumulates shard's gradient: its GRAD slot, or under HSDP its slot in the
+ * per-call buffer that the replicate all-reduce sums over the replicas first. */
+static inline float *mfsdp_ctx_grad_target(const struct mfsdp_ctx *ctx, size_t shard)
+{
+    if (ctx->replicate > 1) {
+        const mfsdp_arena_slot_t *s = &ctx->slots[shard];
+        if (s->elems == 0 || s->off[MFSDP_ARENA_GRAD] == MFSDP_ARENA_NONE || ctx->hsdp_in == NULL) {
+            return NULL;
+        }
+        return (float *)(ctx->hsdp_in + s->off[MFSDP_ARENA_GRAD]);
+    }
+    return (float *)mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_GRAD);
+}
+
 /* ---- shared between the files of runtime/ ---- */
 
 /* MFSDP_ERR_STATE (logged) unless ctx is a live context. */
@@ -136,6 +158,14 @@ void mfsdp_ctx_geom(const mfsdp_buffer_layout_t *b, const mfsdp_param_layout_t *
 mfsdp_status_t mfsdp_ctx_step_group(struct mfsdp_ctx *ctx, size_t g);
 mfsdp_status_t mfsdp_ctx_step_groups(struct mfsdp_ctx *ctx, int min_micro);
 int mfsdp_ctx_lazy_ready(const struct mfsdp_ctx *ctx);
+/* A reduce of group completed (its replicate all-reduce too, under HSDP): count the micro-step
+ * and run an eager step when the window is complete. */
+mfsdp_status_t mfsdp_ctx_reduce_done(struct mfsdp_ctx *ctx, size_t group);
+
+/* Compare every rank's settings fingerprint (manifest, MFSDP_* values) over tp: one clear
+ * error on every rank (MFSDP_ERR_MISMATCH) instead of a hang or a truncation later.
+ * Collective over tp. */
+mfsdp_status_t mfsdp_ctx_agree(mfsdp_transport_t *tp, const mfsdp_manifest_t *manifest, int world);
 
 /* Everything but the transport: plan, schedules, arena. Not collective. */
 mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_t *manifest,

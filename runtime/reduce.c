@@ -98,6 +98,12 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
             return MFSDP_ERR_INVALID_ARG;
         }
     }
+    if (ctx->awaiting >= 0) {
+        MFSDP_WARN("reduce of group %s: the replicate all-reduce of group %s (HSDP) did not follow "
+                   "its reduce-scatter",
+                   gname, ctx->manifest->groups[ctx->awaiting].name);
+        return MFSDP_ERR_STATE;
+    }
     const mfsdp_group_sched_t *gs = NULL;
     const mfsdp_sched_ops_t *rs_ops = NULL;
     MFSDP_CHECK(rs_variant(ctx, group, has_grad, &gs, &rs_ops));
@@ -127,6 +133,8 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
     }
     if (rs->nentries == 0) {
         ctx->reduces++;
+        gst->last_rs = gs;
+        ctx->awaiting = ctx->replicate > 1 ? (long)group : -1;
         return MFSDP_OK;
     }
     for (size_t i = 0; i < gd->nparams; i++) {
@@ -197,7 +205,7 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
         }
         const mfsdp_param_layout_t *pe = &rs->entries[e];
         size_t shard = ctx->plan->group_first[group] + pi;
-        float *grad = mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_GRAD);
+        float *grad = mfsdp_ctx_grad_target(ctx, shard);
         if (grad != NULL) { /* NULL under tail "job": the job keeps its own gradient */
             MFSDP_CHECK(mfsdp_xfer_apply(grad, sum, (size_t)pe->s, op, n));
         }
@@ -212,6 +220,17 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
         sum += pe->s;
     }
     ctx->reduces++;
+    gst->last_rs = gs;
+    if (ctx->replicate > 1) {
+        ctx->awaiting = (long)group; /* the replicate all-reduce completes the reduction */
+        return MFSDP_OK;
+    }
+    return mfsdp_ctx_reduce_done(ctx, group);
+}
+
+mfsdp_status_t mfsdp_ctx_reduce_done(struct mfsdp_ctx *ctx, size_t group)
+{
+    mfsdp_group_state_t *gst = &ctx->groups[group];
     if (gst->micro < ctx->accum) {
         gst->micro++;
     }

@@ -39,6 +39,13 @@ mfsdp_status_t mfsdp_ctx_create_mpi(const mfsdp_manifest_t *manifest, const mfsd
         free(ctx);
         return st;
     }
+    /* Every rank must plan with the same manifest and settings: compared first, so that a
+     * difference is one clear error rather than a hang or a truncated message later. */
+    st = mfsdp_ctx_agree(ctx->tp, manifest, world);
+    if (st != MFSDP_OK) {
+        mfsdp_ctx_free(ctx);
+        return st;
+    }
     st = mfsdp_ctx_init_local(ctx, manifest, opts);
     /* Agree on the outcome, so that a rank-local failure (memory) fails every rank instead
      * of leaving the others waiting in their first collective. */
@@ -58,5 +65,32 @@ mfsdp_status_t mfsdp_ctx_create_mpi(const mfsdp_manifest_t *manifest, const mfsd
         return st;
     }
     *ctx_p = ctx;
+    return MFSDP_OK;
+}
+
+mfsdp_status_t mfsdp_ctx_attach_replicate_mpi(mfsdp_ctx_h ctx, MPI_Comm replicate_comm)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    MFSDP_CHECK_ARG(replicate_comm != MPI_COMM_NULL);
+    int size = 0;
+    MFSDP_MPI_CHECK(MPI_Comm_size(replicate_comm, &size));
+    if (size != ctx->replicate) {
+        MFSDP_WARN("the replicate communicator has %d ranks; the manifest declares \"replicate\": "
+                   "%d",
+                   size, ctx->replicate);
+        return MFSDP_ERR_MISMATCH;
+    }
+    if (ctx->rtp != NULL) {
+        MFSDP_WARN("a replicate communicator is attached already");
+        return MFSDP_ERR_STATE;
+    }
+    mfsdp_transport_t *rtp = NULL;
+    MFSDP_CHECK(mfsdp_transport_mpi_create(replicate_comm, &rtp));
+    mfsdp_status_t st = mfsdp_ctx_agree(rtp, ctx->manifest, ctx->world);
+    if (st != MFSDP_OK) {
+        rtp->ops->destroy(rtp);
+        return st;
+    }
+    ctx->rtp = rtp;
     return MFSDP_OK;
 }

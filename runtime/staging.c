@@ -95,7 +95,7 @@ mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, const mfsd
             b->src = carve(&c, mul_sat(&c, s->numel, elt));
         }
         if (own) {
-            b->grad = mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_GRAD);
+            b->grad = mfsdp_ctx_grad_target(ctx, s->shard);
         }
         switch (ctx->reduce_algo) {
         case MFSDP_ALGO_DIRECT:

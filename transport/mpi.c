@@ -54,9 +54,15 @@ static void *seg_buf(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, size_t *
             }
         }
         break;
-    case MFSDP_BUF_PIN: p = b->pin; break;
-    case MFSDP_BUF_POUT: p = b->pout; break;
-    case MFSDP_BUF_FINAL: p = b->final; break;
+    case MFSDP_BUF_PIN:
+        p = b->pin;
+        break;
+    case MFSDP_BUF_POUT:
+        p = b->pout;
+        break;
+    case MFSDP_BUF_FINAL:
+        p = b->final;
+        break;
     }
     *elt_p = elt;
     return p;
@@ -127,8 +133,7 @@ static mfsdp_status_t post_tail(engine_t *e, MPI_Request *req)
 {
     const mfsdp_xfer_t *x = e->x;
     int gather = x->dir == MFSDP_SCHED_DIR_GATHER;
-    if (x->tail_count > INT_MAX || x->tail_send == NULL ||
-        (!gather && x->tail_recv == NULL)) {
+    if (x->tail_count > INT_MAX || x->tail_send == NULL || (!gather && x->tail_recv == NULL)) {
         MFSDP_WARN("sharded tail of %zu units per rank: missing buffers or above INT_MAX",
                    x->tail_count);
         return MFSDP_ERR_UNSUPPORTED;
@@ -201,8 +206,8 @@ static mfsdp_status_t post_into_fsdp(engine_t *e, const mfsdp_sched_op_t *op, MP
         MPI_Type_free(&t);
     }
     if (rc != MPI_SUCCESS) {
-        MFSDP_WARN("posting segment %u into the all-gather output failed (mpi error %d)",
-                   op->seg, rc);
+        MFSDP_WARN("posting segment %u into the all-gather output failed (mpi error %d)", op->seg,
+                   rc);
         st = MFSDP_ERR_TRANSPORT;
     }
 out:
@@ -270,8 +275,7 @@ static mfsdp_status_t post(engine_t *e, long i)
             }
             fin += op->boff;
         }
-        MFSDP_MPI_CHECK(MPI_Ireduce(p, fin, (int)op->len, MPI_FLOAT, MPI_SUM, op->peer, comm,
-                                    req));
+        MFSDP_MPI_CHECK(MPI_Ireduce(p, fin, (int)op->len, MPI_FLOAT, MPI_SUM, op->peer, comm, req));
         break;
     }
     default:
@@ -379,11 +383,11 @@ static mfsdp_status_t mpi_p2p(mfsdp_transport_t *tb, const mfsdp_p2p_t *v, size_
             break;
         }
         if (p->send) {
-            rc = MPI_Isend(p->buf, (int)p->bytes, MPI_BYTE, p->peer, p->tag, t->comm,
-                           &reqs[posted]);
+            rc =
+                MPI_Isend(p->buf, (int)p->bytes, MPI_BYTE, p->peer, p->tag, t->comm, &reqs[posted]);
         } else {
-            rc = MPI_Irecv(p->buf, (int)p->bytes, MPI_BYTE, p->peer, p->tag, t->comm,
-                           &reqs[posted]);
+            rc =
+                MPI_Irecv(p->buf, (int)p->bytes, MPI_BYTE, p->peer, p->tag, t->comm, &reqs[posted]);
         }
         if (rc != MPI_SUCCESS) {
             MFSDP_WARN("point-to-point %s of %zu bytes with rank %d failed (mpi error %d)",
@@ -408,6 +412,37 @@ static mfsdp_status_t mpi_allreduce_sum(mfsdp_transport_t *tb, double *value)
     return MFSDP_OK;
 }
 
+static mfsdp_status_t mpi_allreduce_f32(mfsdp_transport_t *tb, float *buf, size_t n)
+{
+    mpi_transport_t *t = (mpi_transport_t *)tb;
+    MFSDP_CHECK_ARG(buf != NULL || n == 0);
+    /* In pieces that fit MPI's int count. */
+    for (size_t off = 0; off < n; off += (size_t)INT_MAX) {
+        size_t k = n - off < (size_t)INT_MAX ? n - off : (size_t)INT_MAX;
+        MFSDP_MPI_CHECK(
+            MPI_Allreduce(MPI_IN_PLACE, buf + off, (int)k, MPI_FLOAT, MPI_SUM, t->comm));
+    }
+    return MFSDP_OK;
+}
+
+static mfsdp_status_t mpi_allreduce_u64(mfsdp_transport_t *tb, uint64_t *buf, size_t n, int is_max)
+{
+    mpi_transport_t *t = (mpi_transport_t *)tb;
+    MFSDP_CHECK_ARG(buf != NULL && n <= INT_MAX);
+    MFSDP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, (int)n, MPI_UINT64_T,
+                                  is_max ? MPI_MAX : MPI_MIN, t->comm));
+    return MFSDP_OK;
+}
+
+static mfsdp_status_t mpi_allgather_bytes(mfsdp_transport_t *tb, const void *mine, size_t bytes,
+                                          void *all)
+{
+    mpi_transport_t *t = (mpi_transport_t *)tb;
+    MFSDP_CHECK_ARG(mine != NULL && all != NULL && bytes <= INT_MAX);
+    MFSDP_MPI_CHECK(MPI_Allgather(mine, (int)bytes, MPI_BYTE, all, (int)bytes, MPI_BYTE, t->comm));
+    return MFSDP_OK;
+}
+
 static void mpi_destroy(mfsdp_transport_t *tb)
 {
     mpi_transport_t *t = (mpi_transport_t *)tb;
@@ -427,6 +462,9 @@ static const mfsdp_transport_ops_t mpi_ops = {
     .run = mpi_run,
     .p2p = mpi_p2p,
     .allreduce_sum = mpi_allreduce_sum,
+    .allreduce_f32 = mpi_allreduce_f32,
+    .allreduce_u64 = mpi_allreduce_u64,
+    .allgather_bytes = mpi_allgather_bytes,
     .destroy = mpi_destroy,
 };
 

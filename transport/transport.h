@@ -30,10 +30,10 @@ typedef struct mfsdp_xfer {
     mfsdp_sched_dir_t dir;
     const mfsdp_group_sched_t *gs;
     const mfsdp_sched_ops_t *ops;
-    mfsdp_xfer_bufs_t *bufs;   /* gs->nsegs entries */
-    mfsdp_dtype_t dtype;       /* reduce: dtype of contributions (the reduce dtype) */
-    mfsdp_redop_t op;          /* reduce: sum, avg or premulsum */
-    float scalar;              /* premulsum factor */
+    mfsdp_xfer_bufs_t *bufs; /* gs->nsegs entries */
+    mfsdp_dtype_t dtype;     /* reduce: dtype of contributions (the reduce dtype) */
+    mfsdp_redop_t op;        /* reduce: sum, avg or premulsum */
+    float scalar;            /* premulsum factor */
     /* reduce: FSDP's reduce-scatter input; chain/native read contributions from it in place
      * (segments whose bufs.src is NULL) */
     const void *rs_in;
@@ -51,7 +51,7 @@ typedef struct mfsdp_xfer {
 
 /* One point-to-point transfer of a batch (all posted at once, one completion). */
 typedef struct mfsdp_p2p {
-    int send;      /* 1: send, 0: receive */
+    int send; /* 1: send, 0: receive */
     int peer;
     int tag;
     void *buf;
@@ -68,6 +68,14 @@ typedef struct mfsdp_transport_ops {
     mfsdp_status_t (*p2p)(mfsdp_transport_t *t, const mfsdp_p2p_t *v, size_t n);
     /* Sum one double over all ranks in place (the clipping norm). */
     mfsdp_status_t (*allreduce_sum)(mfsdp_transport_t *t, double *value);
+    /* Sum n floats over all ranks in place (HSDP: owners' gradients over the replicas). */
+    mfsdp_status_t (*allreduce_f32)(mfsdp_transport_t *t, float *buf, size_t n);
+    /* Element-wise minimum (is_max 0) or maximum (1) of n uint64 over all ranks, in place
+     * (settings agreement). */
+    mfsdp_status_t (*allreduce_u64)(mfsdp_transport_t *t, uint64_t *buf, size_t n, int is_max);
+    /* Gather bytes from every rank, rank-major into all (world * bytes). */
+    mfsdp_status_t (*allgather_bytes)(mfsdp_transport_t *t, const void *mine, size_t bytes,
+                                      void *all);
     void (*destroy)(mfsdp_transport_t *t);
 } mfsdp_transport_ops_t;
 
@@ -85,10 +93,9 @@ struct mfsdp_transport {
  *            chain sums are bitwise those of mfsdp_cpu_reduce_ordered().
  *   apply:   grad[i] += avg ? s[i] / world : s[i].
  */
-mfsdp_status_t mfsdp_xfer_combine(float *pout, const float *pin, const void *x,
-                                  mfsdp_dtype_t dtype, size_t n, mfsdp_redop_t op, float scalar);
-mfsdp_status_t mfsdp_xfer_apply(float *grad, const float *s, size_t n, mfsdp_redop_t op,
-                                int world);
+mfsdp_status_t mfsdp_xfer_combine(float *pout, const float *pin, const void *x, mfsdp_dtype_t dtype,
+                                  size_t n, mfsdp_redop_t op, float scalar);
+mfsdp_status_t mfsdp_xfer_apply(float *grad, const float *s, size_t n, mfsdp_redop_t op, int world);
 /* Run the local (APPLY) op of a reduce list. */
 mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, int rank,
                                 int world);

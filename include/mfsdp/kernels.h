@@ -167,12 +167,12 @@ MFSDP_API float mfsdp_f16_to_f32(uint16_t h);
  *        in bytes, so that mixed-dtype (uint8) groups use the same code.
  */
 typedef struct mfsdp_strided_geom {
-    int world;           /**< n */
-    int64_t rows;        /**< N0: real rows of the parameter */
+    int world;             /**< n */
+    int64_t rows;          /**< N0: real rows of the parameter */
     int64_t rows_per_rank; /**< c = ceil(N0 / n) */
-    size_t row_bytes;    /**< R * element size */
-    size_t rank_stride;  /**< S in bytes: distance between rank blocks */
-    size_t offset;       /**< o in bytes: offset of the param inside a rank block */
+    size_t row_bytes;      /**< R * element size */
+    size_t rank_stride;    /**< S in bytes: distance between rank blocks */
+    size_t offset;         /**< o in bytes: offset of the param inside a rank block */
 } mfsdp_strided_geom_t;
 
 /**

@@ -20,18 +20,18 @@ extern "C" {
 
 /** MatrixShard: planner metadata of one parameter (DESIGN.md section 4). */
 typedef struct mfsdp_shard {
-    size_t group;           /**< group index in the manifest */
-    size_t param;           /**< param index in its group */
-    mfsdp_role_t role;      /**< MUON or ADAMW */
-    int64_t rows;           /**< 2-D view: shape[0] ... */
-    int64_t cols;           /**< ... and product of the remaining dims (1 for 1-D params) */
-    int64_t numel;          /**< rows * cols */
+    size_t group;      /**< group index in the manifest */
+    size_t param;      /**< param index in its group */
+    mfsdp_role_t role; /**< MUON or ADAMW */
+    int64_t rows;      /**< 2-D view: shape[0] ... */
+    int64_t cols;      /**< ... and product of the remaining dims (1 for 1-D params) */
+    int64_t numel;     /**< rows * cols */
     /* FSDP geometry of the all-gather layout (DESIGN.md section 3), in elements. */
-    int64_t fsdp_c;         /**< rows per rank: ceil(shape[0] / n) (1-D: ceil(numel / n)) */
-    int64_t fsdp_s;         /**< shard numel c * R */
-    int64_t fsdp_o;         /**< offset in the per-rank block, in elements of the param dtype */
-    size_t fsdp_o_bytes;    /**< same offset in bytes (the uint8 view of mixed-dtype groups) */
-    int owner;              /**< owner rank, or MFSDP_OWNER_SHARDED */
+    int64_t fsdp_c;      /**< rows per rank: ceil(shape[0] / n) (1-D: ceil(numel / n)) */
+    int64_t fsdp_s;      /**< shard numel c * R */
+    int64_t fsdp_o;      /**< offset in the per-rank block, in elements of the param dtype */
+    size_t fsdp_o_bytes; /**< same offset in bytes (the uint8 view of mixed-dtype groups) */
+    int owner;           /**< owner rank, or MFSDP_OWNER_SHARDED */
     /** Element offset of this tensor inside its owner's MASTER, COMM and GRAD regions (every
      *  owned tensor, ascending shard index); for a sharded tail tensor, the offset of every
      *  rank's slice in that rank's tail region, which follows the owned tensors in each
@@ -41,26 +41,26 @@ typedef struct mfsdp_shard {
      *  for AdamW (tensors of that role only, ascending shard index; sharded tail slices after
      *  them, at the same tail offset as arena_offset). */
     size_t state_offset;
-    double ns_flops;        /**< Newton-Schulz FLOPs per step (0 for AdamW) */
-    size_t arena_bytes;     /**< owner-arena bytes this tensor costs its owner (whole tensor) */
+    double ns_flops;    /**< Newton-Schulz FLOPs per step (0 for AdamW) */
+    size_t arena_bytes; /**< owner-arena bytes this tensor costs its owner (whole tensor) */
 } mfsdp_shard_t;
 
 /** What one rank owns and how loaded it is. */
 typedef struct mfsdp_rank_plan {
-    size_t nowned;           /**< owned tensors (Muon matrices and owner-placed tail) */
-    size_t *owned;           /**< indices into mfsdp_plan_t::shards, ascending */
-    double ns_flops;         /**< Newton-Schulz FLOPs per step */
-    size_t owned_bytes;      /**< bytes (in the param dtype) of the tensors it owns whole */
-    size_t tail_elems;       /**< elements of sharded-tail slices it keeps */
+    size_t nowned;      /**< owned tensors (Muon matrices and owner-placed tail) */
+    size_t *owned;      /**< indices into mfsdp_plan_t::shards, ascending */
+    double ns_flops;    /**< Newton-Schulz FLOPs per step */
+    size_t owned_bytes; /**< bytes (in the param dtype) of the tensors it owns whole */
+    size_t tail_elems;  /**< elements of sharded-tail slices it keeps */
     size_t arena_elems[MFSDP_ARENA_NCAT]; /**< elements per arena category */
-    size_t arena_bytes;      /**< total arena bytes (all categories) */
+    size_t arena_bytes;                   /**< total arena bytes (all categories) */
 } mfsdp_rank_plan_t;
 
 /** Options of mfsdp_plan_create(). Zero-initialized means the defaults. */
 typedef struct mfsdp_plan_opts {
-    mfsdp_tail_policy_t tail;  /**< default MFSDP_TAIL_OWNER if zero; use AUTO explicitly */
-    size_t mem_limit;          /**< max arena bytes per rank, 0 = unlimited */
-    int no_spread;             /**< 1 disables the per-group spread constraint */
+    mfsdp_tail_policy_t tail; /**< default MFSDP_TAIL_OWNER if zero; use AUTO explicitly */
+    size_t mem_limit;         /**< max arena bytes per rank, 0 = unlimited */
+    int no_spread;            /**< 1 disables the per-group spread constraint */
 } mfsdp_plan_opts_t;
 
 /** A plan. Read-only for callers; release with mfsdp_plan_destroy(). */
@@ -70,14 +70,14 @@ typedef struct mfsdp_plan {
     const mfsdp_manifest_t *manifest; /**< borrowed: must outlive the plan */
     size_t nshards;                   /**< one per param, in (group, param) order */
     mfsdp_shard_t *shards;
-    size_t *group_first;              /**< ngroups + 1 entries: shards of group g are
-                                           [group_first[g], group_first[g+1]) */
-    mfsdp_rank_plan_t *ranks;         /**< world entries */
-    double lb_flops;                  /**< lower bound of the max per-rank NS FLOPs */
-    double lb_bytes;                  /**< lower bound of the max per-rank owned bytes */
-    double max_flops;                 /**< achieved max per-rank NS FLOPs */
-    size_t max_owned_bytes;           /**< achieved max per-rank owned bytes */
-    size_t max_arena_bytes;           /**< achieved max per-rank arena bytes */
+    size_t *group_first;      /**< ngroups + 1 entries: shards of group g are
+                                   [group_first[g], group_first[g+1]) */
+    mfsdp_rank_plan_t *ranks; /**< world entries */
+    double lb_flops;          /**< lower bound of the max per-rank NS FLOPs */
+    double lb_bytes;          /**< lower bound of the max per-rank owned bytes */
+    double max_flops;         /**< achieved max per-rank NS FLOPs */
+    size_t max_owned_bytes;   /**< achieved max per-rank owned bytes */
+    size_t max_arena_bytes;   /**< achieved max per-rank arena bytes */
 } mfsdp_plan_t;
 
 /**

@@ -194,6 +194,25 @@ MFSDP_API mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group,
                                                  double scalar);
 
 /**
+ * @brief HSDP: replaces the job's all-reduce of a group's reduce-scatter output over the
+ *        replicate group (manifest "replicate" > 1).
+ *
+ * Owners of the same tensor in different replicas all-reduce the gradient the preceding
+ * mfsdp_ctx_reduce() / mfsdp_ctx_reduce_params() of @p group delivered, then accumulate it
+ * (this completes the reduce: an eager step may run here). @p op is the job's all-reduce op
+ * (avg over the replicas, sum, or premulsum). On return @p recvbuf is what the job's
+ * all-reduce would have produced for the bytes the job still owns (tail policy "job") and zero
+ * for owner-managed bytes. Collective over the replicate communicator
+ * (mfsdp_ctx_attach_replicate_mpi()); every reduce of an HSDP context must be followed by it.
+ * @return MFSDP_OK, MFSDP_ERR_STATE (not HSDP, nothing attached, or not the group whose
+ *         reduce is waiting), MFSDP_ERR_MISMATCH (count or dtype differ from that reduce),
+ *         MFSDP_ERR_INVALID_ARG, MFSDP_ERR_TRANSPORT
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_replicate(mfsdp_ctx_h ctx, size_t group, const void *sendbuf,
+                                             void *recvbuf, size_t count, mfsdp_dtype_t dtype,
+                                             mfsdp_redop_t op, double scalar);
+
+/**
  * @brief Multiply the learning rates of the following steps by @p factor (the job's own
  *        schedule: its current lr / its initial lr). Replaces the manifest's schedule; a
  *        negative factor returns to it. Not collective (every rank should set the same).

@@ -36,6 +36,16 @@ MFSDP_API mfsdp_status_t mfsdp_ctx_create_mpi(const mfsdp_manifest_t *manifest,
                                               const mfsdp_ctx_opts_t *opts, MPI_Comm comm,
                                               mfsdp_ctx_h *ctx_p);
 
+/**
+ * @brief HSDP: attach the replicate communicator (the ranks at this rank's position in every
+ *        replica) to a context created on the shard communicator. Collective over
+ *        @p replicate_comm; its size must be the manifest's "replicate", and every replica
+ *        must run the same settings (compared, as at creation).
+ * @return MFSDP_OK, MFSDP_ERR_STATE (already attached), MFSDP_ERR_MISMATCH (size or
+ *         settings), MFSDP_ERR_TRANSPORT
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_attach_replicate_mpi(mfsdp_ctx_h ctx, MPI_Comm replicate_comm);
+
 #ifdef __cplusplus
 }
 #endif
