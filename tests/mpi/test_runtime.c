@@ -33,20 +33,20 @@
 static int g_rank, g_world;
 static int g_failures;
 
-#define CHECK(cond, ...)                                                                      \
-    do {                                                                                      \
-        if (!(cond)) {                                                                        \
-            g_failures++;                                                                     \
-            fprintf(stderr, "[rank %d] FAIL %s:%d: %s: ", g_rank, __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                                     \
-            fprintf(stderr, "\n");                                                            \
-        }                                                                                     \
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            g_failures++;                                                                          \
+            fprintf(stderr, "[rank %d] FAIL %s:%d: %s: ", g_rank, __FILE__, __LINE__, #cond);      \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fprintf(stderr, "\n");                                                                 \
+        }                                                                                          \
     } while (0)
 
-#define CHECK_OK(call)                                                                        \
-    do {                                                                                      \
-        mfsdp_status_t _s = (call);                                                           \
-        CHECK(_s == MFSDP_OK, "%s returned %s", #call, mfsdp_status_string(_s));              \
+#define CHECK_OK(call)                                                                             \
+    do {                                                                                           \
+        mfsdp_status_t _s = (call);                                                                \
+        CHECK(_s == MFSDP_OK, "%s returned %s", #call, mfsdp_status_string(_s));                   \
     } while (0)
 
 /* ---------------------------------------------------------------------------------------
@@ -142,8 +142,7 @@ int MPI_Ireduce_scatter_block(const void *s, void *r, int c, MPI_Datatype d, MPI
     count(0);
     return PMPI_Ireduce_scatter_block(s, r, c, d, o, comm, q);
 }
-int MPI_Reduce_scatter_block(const void *s, void *r, int c, MPI_Datatype d, MPI_Op o,
-                             MPI_Comm comm)
+int MPI_Reduce_scatter_block(const void *s, void *r, int c, MPI_Datatype d, MPI_Op o, MPI_Comm comm)
 {
     count(0);
     return PMPI_Reduce_scatter_block(s, r, c, d, o, comm);
@@ -264,7 +263,7 @@ static mfsdp_manifest_t *random_manifest(uint64_t seed)
                     stem = "embed";
                 }
             }
-            mfsdp_dtype_t dt = kind == 0 ? MFSDP_FLOAT32
+            mfsdp_dtype_t dt = kind == 0   ? MFSDP_FLOAT32
                                : kind == 1 ? MFSDP_BFLOAT16
                                            : ((h >> 24) & 1 ? MFSDP_BFLOAT16 : MFSDP_FLOAT32);
             int rg = !(i > 0 && (h >> 32) % 6 == 0); /* some frozen params */
@@ -279,16 +278,17 @@ static mfsdp_manifest_t *random_manifest(uint64_t seed)
  * FSDP layout computed independently here (DESIGN.md section 3).
  */
 typedef struct lay {
-    size_t n;                   /* entries */
-    size_t idx[8];              /* group param index */
+    size_t n;      /* entries */
+    size_t idx[8]; /* group param index */
     int64_t rows[8], rest[8], c[8];
-    size_t elt[8], o[8];        /* bytes */
-    size_t S;                   /* bytes per rank */
+    size_t elt[8], o[8]; /* bytes */
+    size_t S;            /* bytes per rank */
     mfsdp_dtype_t wire;
     size_t count;
 } lay_t;
 
-static void layout_of(const mfsdp_group_desc_t *g, int rs, int n, lay_t *l)
+static void layout_of_masked(const mfsdp_group_desc_t *g, int rs, int n, const unsigned char *mask,
+                             lay_t *l)
 {
     memset(l, 0, sizeof(*l));
     int mixed = 0;
@@ -303,7 +303,7 @@ static void layout_of(const mfsdp_group_desc_t *g, int rs, int n, lay_t *l)
     }
     for (size_t i = 0; i < g->nparams; i++) {
         const mfsdp_param_desc_t *p = &g->params[i];
-        if (rs && !p->requires_grad) {
+        if (rs && (!p->requires_grad || (mask != NULL && !mask[i]))) {
             continue;
         }
         size_t k = l->n++;
@@ -317,6 +317,11 @@ static void layout_of(const mfsdp_group_desc_t *g, int rs, int n, lay_t *l)
     }
     l->wire = rs ? rsd : (mixed ? MFSDP_UINT8 : g->params[0].dtype);
     l->count = l->S / mfsdp_dtype_size(l->wire);
+}
+
+static void layout_of(const mfsdp_group_desc_t *g, int rs, int n, lay_t *l)
+{
+    layout_of_masked(g, rs, n, NULL, l);
 }
 
 /* Element e of a full tensor, written in dtype. */
@@ -371,9 +376,8 @@ static void *initial_weights(const mfsdp_param_desc_t *p, uint64_t seed, size_t 
 /* ---------------------------------------------------------------------------------------
  * Context helpers
  */
-static mfsdp_ctx_h make_ctx(const mfsdp_manifest_t *m, mfsdp_tail_policy_t tail,
-                            mfsdp_algo_t ga, mfsdp_algo_t ra, mfsdp_step_mode_t mode, int accum,
-                            double clip)
+static mfsdp_ctx_h make_ctx(const mfsdp_manifest_t *m, mfsdp_tail_policy_t tail, mfsdp_algo_t ga,
+                            mfsdp_algo_t ra, mfsdp_step_mode_t mode, int accum, double clip)
 {
     mfsdp_ctx_opts_t o;
     memset(&o, 0, sizeof(o));
@@ -429,8 +433,8 @@ static void free_weights(const mfsdp_manifest_t *m, weights_t *W)
 }
 
 /* mfsdp allgather of group g vs native MPI_Allgather of even shards of W (byte equal). */
-static void check_allgather(mfsdp_ctx_h ctx, const mfsdp_manifest_t *m, size_t g,
-                            void *const *full, int in_place, const char *what)
+static void check_allgather(mfsdp_ctx_h ctx, const mfsdp_manifest_t *m, size_t g, void *const *full,
+                            int in_place, const char *what)
 {
     lay_t l;
     layout_of(&m->groups[g], 0, g_world, &l);
@@ -523,8 +527,8 @@ static char *rs_input(const mfsdp_manifest_t *m, size_t g, const lay_t *l, uint6
 }
 
 /* The rank-ordered fp32 reduction of element e, as the direct algorithm defines it. */
-static float ordered(const lay_t *l, uint64_t seed, size_t g, size_t i, size_t e,
-                     mfsdp_redop_t op, float sc, int step)
+static float ordered(const lay_t *l, uint64_t seed, size_t g, size_t i, size_t e, mfsdp_redop_t op,
+                     float sc, int step)
 {
     float s = 0.0f;
     for (int r = 0; r < g_world; r++) {
@@ -572,9 +576,9 @@ static void test_reduce(uint64_t seed)
                 }
                 first = calloc(nslots, sizeof(*first));
                 for (int run = 0; run < runs; run++) {
-                    mfsdp_ctx_h ctx = make_ctx(m, tail ? MFSDP_TAIL_SHARD : MFSDP_TAIL_OWNER,
-                                               MFSDP_ALGO_NATIVE, algos[a], MFSDP_STEP_LAZY,
-                                               1000, 0.0);
+                    mfsdp_ctx_h ctx =
+                        make_ctx(m, tail ? MFSDP_TAIL_SHARD : MFSDP_TAIL_OWNER, MFSDP_ALGO_NATIVE,
+                                 algos[a], MFSDP_STEP_LAZY, 1000, 0.0);
                     if (ctx == NULL) {
                         continue;
                     }
@@ -590,8 +594,8 @@ static void test_reduce(uint64_t seed)
                         char *in = rs_input(m, g, &l, seed, g_rank, 0);
                         char *out = malloc(l.S + 1);
                         memset(out, 0x5A, l.S);
-                        mfsdp_status_t st = mfsdp_ctx_reduce(ctx, g, in, out, l.count, l.wire,
-                                                             ops[o], sc);
+                        mfsdp_status_t st =
+                            mfsdp_ctx_reduce(ctx, g, in, out, l.count, l.wire, ops[o], sc);
                         CHECK(st == MFSDP_OK, "%s: reduce group %zu: %s", what, g,
                               mfsdp_status_string(st));
                         for (size_t k = 0; k < l.n; k++) {
@@ -608,8 +612,8 @@ static void test_reduce(uint64_t seed)
                                     double ref = reduced_ref(&l, seed, g, i, v.local_offset + e,
                                                              ops[o], sc, 0);
                                     CHECK(fabs(v.grad[e] - ref) <= 1e-5 * (1 + fabs(ref)),
-                                          "%s: %s slice[%zu] %g vs %g", what, p->name, e,
-                                          v.grad[e], ref);
+                                          "%s: %s slice[%zu] %g vs %g", what, p->name, e, v.grad[e],
+                                          ref);
                                     double got = get(out + l.o[k], l.wire, e);
                                     CHECK(fabs(got - ref) <= 1e-2 * (1 + fabs(ref)),
                                           "%s: %s output[%zu] %g vs %g", what, p->name, e, got,
@@ -620,8 +624,7 @@ static void test_reduce(uint64_t seed)
                             /* Owner-managed bytes of the output are zero. */
                             for (size_t b = 0; b < sbytes; b++) {
                                 if (out[l.o[k] + b] != 0) {
-                                    CHECK(0, "%s: %s output byte %zu not zeroed", what, p->name,
-                                          b);
+                                    CHECK(0, "%s: %s output byte %zu not zeroed", what, p->name, b);
                                     break;
                                 }
                             }
@@ -638,15 +641,15 @@ static void test_reduce(uint64_t seed)
                                 if (algos[a] == MFSDP_ALGO_NATIVE) {
                                     double ref = reduced_ref(&l, seed, g, i, e, ops[o], sc, 0);
                                     if (!(fabs(v.grad[e] - ref) <= 1e-5 * (1 + fabs(ref)))) {
-                                        CHECK(0, "%s: %s[%zu] = %g, expected %g", what, p->name,
-                                              e, v.grad[e], ref);
+                                        CHECK(0, "%s: %s[%zu] = %g, expected %g", what, p->name, e,
+                                              v.grad[e], ref);
                                         break;
                                     }
                                 } else {
                                     float ref = ordered(&l, seed, g, i, e, ops[o], sc, 0);
                                     if (memcmp(&v.grad[e], &ref, sizeof(float)) != 0) {
-                                        CHECK(0, "%s: %s[%zu] = %.9g, rank-ordered sum %.9g",
-                                              what, p->name, e, v.grad[e], ref);
+                                        CHECK(0, "%s: %s[%zu] = %.9g, rank-ordered sum %.9g", what,
+                                              p->name, e, v.grad[e], ref);
                                         break;
                                     }
                                 }
@@ -656,8 +659,8 @@ static void test_reduce(uint64_t seed)
                                 first[fi] = malloc((size_t)p->numel * sizeof(float));
                                 memcpy(first[fi], v.grad, (size_t)p->numel * sizeof(float));
                             } else {
-                                CHECK(memcmp(first[fi], v.grad,
-                                             (size_t)p->numel * sizeof(float)) == 0,
+                                CHECK(memcmp(first[fi], v.grad, (size_t)p->numel * sizeof(float)) ==
+                                          0,
                                       "%s: %s not bitwise reproducible", what, p->name);
                             }
                         }
@@ -685,6 +688,8 @@ typedef struct ref_param {
     double *w, *mom, *m, *v, *g;
     int64_t numel, rows, cols;
     int muon, rg;
+    int had; /* a gradient arrived in this window */
+    int t;   /* AdamW steps taken (torch counts per param) */
 } ref_param_t;
 
 /* Newton-Schulz in float64, in place (tests/lib/ns_ref.h). */
@@ -700,7 +705,49 @@ typedef struct train_cfg {
     int accum;
     double clip;
     mfsdp_redop_t op;
+    int drop;     /* leave params out of reduces, as FSDP2 does for unused params */
+    int schedule; /* a warmup-cosine lr schedule in the manifest */
 } train_cfg_t;
+
+/* Which params of group g have a gradient in micro-step mi: about a quarter of them drop out,
+ * at least one stays (FSDP2 issues no reduce-scatter for a group without any). */
+static void drop_mask(const mfsdp_group_desc_t *gd, uint64_t seed, size_t g, int mi,
+                      unsigned char *mask)
+{
+    int kept = 0;
+    for (size_t i = 0; i < gd->nparams; i++) {
+        mask[i] = gd->params[i].requires_grad &&
+                  mix(seed * 7919 + g * 131 + i * 17 + (uint64_t)mi) % 4 != 0;
+        kept += mask[i];
+    }
+    for (size_t i = 0; i < gd->nparams && kept == 0; i++) {
+        if (gd->params[i].requires_grad) {
+            mask[i] = 1;
+            kept = 1;
+        }
+    }
+}
+
+/* The lr factor at step t of the schedule set below (torchtitan's formula, written here
+ * independently of core/settings.c), and the job's factor in manual mode. */
+static double sched_factor(int t)
+{
+    const int w = 3, d = 12;
+    const double mn = 0.1;
+    if (t > w + d) {
+        t = w + d;
+    }
+    if (t < w) {
+        return (t + 1.0) / (w + 1.0);
+    }
+    double p = (double)(t + 1 - w) / (d + 1.0);
+    return mn + (1.0 - mn) * 0.5 * (1.0 + cos(M_PI * p));
+}
+
+static double manual_factor(int t)
+{
+    return 0.25 + 0.75 * fabs(cos(0.7 * t));
+}
 
 static void test_train(uint64_t seed, const train_cfg_t *tc)
 {
@@ -708,12 +755,22 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
     const double sc = 0.25;
     mfsdp_manifest_t *m = random_manifest(seed);
     weights_t W = make_weights(m, seed);
-    char what[160];
+    char what[200];
+    static const char *const tails[] = {"owner", "shard", "auto", "job"};
+    static const char *const modes[] = {"eager", "lazy", "manual"};
     snprintf(what, sizeof(what),
-             "train seed %llu tail %s gather %s reduce %s %s accum %d clip %g op %d",
-             (unsigned long long)seed, tc->tail == MFSDP_TAIL_SHARD ? "shard" : "owner",
-             algo_name(tc->ga), algo_name(tc->ra), tc->mode == MFSDP_STEP_LAZY ? "lazy" : "eager",
-             tc->accum, tc->clip, (int)tc->op);
+             "train seed %llu tail %s gather %s reduce %s %s accum %d clip %g op %d%s%s",
+             (unsigned long long)seed, tails[tc->tail], algo_name(tc->ga), algo_name(tc->ra),
+             modes[tc->mode], tc->accum, tc->clip, (int)tc->op, tc->drop ? " drop" : "",
+             tc->schedule ? " schedule" : "");
+    if (tc->schedule) {
+        m->hp.schedule.kind = MFSDP_SCHEDULE_WARMUP_COSINE;
+        m->hp.schedule.warmup_steps = 3;
+        m->hp.schedule.decay_steps = 12;
+        m->hp.schedule.decay = MFSDP_DECAY_COSINE;
+        m->hp.schedule.min_lr_ratio = 0.1;
+    }
+    int job = tc->tail == MFSDP_TAIL_JOB;
     mfsdp_ctx_h ctx = make_ctx(m, tc->tail, tc->ga, tc->ra, tc->mode, tc->accum, tc->clip);
     if (ctx == NULL) {
         free_weights(m, &W);
@@ -765,7 +822,13 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
                 free(send);
             }
             for (size_t gg = ng; gg-- > 0;) {
-                const lay_t *l = &LR[gg];
+                unsigned char mask[8];
+                lay_t lm;
+                if (tc->drop) {
+                    drop_mask(&m->groups[gg], seed, gg, micro_total, mask);
+                }
+                layout_of_masked(&m->groups[gg], 1, g_world, tc->drop ? mask : NULL, &lm);
+                const lay_t *l = &lm;
                 if (l->n == 0) {
                     continue;
                 }
@@ -775,9 +838,10 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
                  * exactly the MPI calls of one that does not (no collective in the step). */
                 g_calls_total = g_calls_allreduce = 0;
                 g_counting = 1;
-                CHECK_OK(mfsdp_ctx_reduce(ctx, gg, in, out, l->count, l->wire, tc->op, sc));
+                CHECK_OK(mfsdp_ctx_reduce_params(ctx, gg, tc->drop ? mask : NULL, in, out, l->count,
+                                                 l->wire, tc->op, sc));
                 g_counting = 0;
-                if (tc->mode == MFSDP_STEP_EAGER && tc->accum > 1) {
+                if (tc->mode == MFSDP_STEP_EAGER && tc->accum > 1 && !tc->drop) {
                     if (mi == 0) {
                         calls_first[gg] = g_calls_total;
                     } else if (mi == tc->accum - 1) {
@@ -791,12 +855,17 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
                 free(out);
                 for (size_t k = 0; k < l->n; k++) {
                     ref_param_t *q = &R[gg][l->idx[k]];
+                    q->had = 1;
                     for (int64_t e = 0; e < q->numel; e++) {
-                        q->g[e] += reduced_ref(l, seed, gg, l->idx[k], (size_t)e, tc->op, sc,
-                                               micro_total);
+                        q->g[e] +=
+                            reduced_ref(l, seed, gg, l->idx[k], (size_t)e, tc->op, sc, micro_total);
                     }
                 }
             }
+        }
+        if (tc->mode == MFSDP_STEP_MANUAL) { /* the job's optimizer.step(), its schedule */
+            CHECK_OK(mfsdp_ctx_set_lr_factor(ctx, manual_factor(step)));
+            CHECK_OK(mfsdp_ctx_step(ctx));
         }
         /* Reference step. */
         double coef = 1.0;
@@ -812,16 +881,20 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
             double c = tc->clip / (sqrt(sq) + 1e-6);
             coef = c < 1.0 ? c : 1.0;
         }
+        double f = tc->mode == MFSDP_STEP_MANUAL ? manual_factor(step)
+                   : tc->schedule                ? sched_factor(step)
+                                                 : 1.0;
         for (size_t g = 0; g < ng; g++) {
             const mfsdp_group_desc_t *gd = &m->groups[g];
-            double lr = hp->lr * gd->lr_scale, alr = hp->adamw_lr * gd->lr_scale;
+            double lr = hp->lr * gd->lr_scale * f, alr = hp->adamw_lr * gd->lr_scale * f;
             double wd = gd->has_weight_decay ? gd->weight_decay : hp->weight_decay;
             double awd = gd->has_weight_decay ? gd->weight_decay : hp->adamw_weight_decay;
             for (size_t i = 0; i < gd->nparams; i++) {
                 ref_param_t *q = &R[g][i];
-                if (!q->rg) {
-                    continue;
+                if (!q->rg || !q->had || (job && !q->muon)) {
+                    continue; /* frozen, no gradient (skipped as torch does), or the job's */
                 }
+                q->had = 0;
                 int64_t n = q->numel;
                 for (int64_t e = 0; e < n; e++) {
                     q->g[e] *= coef;
@@ -841,7 +914,8 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
                     free(u);
                 } else {
                     double b1 = hp->adamw_beta1, b2 = hp->adamw_beta2;
-                    double bc1 = 1 - pow(b1, step + 1), bc2 = 1 - pow(b2, step + 1);
+                    q->t++;
+                    double bc1 = 1 - pow(b1, q->t), bc2 = 1 - pow(b2, q->t);
                     for (int64_t e = 0; e < n; e++) {
                         q->m[e] = b1 * q->m[e] + (1 - b1) * q->g[e];
                         q->v[e] = b2 * q->v[e] + (1 - b2) * q->g[e] * q->g[e];
@@ -869,6 +943,15 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
     CHECK_OK(mfsdp_ctx_get_stats(ctx, &stats));
     CHECK(stats.steps >= (uint64_t)nsteps, "%s: only %llu group steps", what,
           (unsigned long long)stats.steps);
+    for (size_t g = 0; job && g < ng; g++) { /* no context state for the job's tensors */
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            mfsdp_param_view_t v;
+            CHECK_OK(mfsdp_ctx_get_param(ctx, m->groups[g].params[i].name, &v));
+            CHECK(v.role == MFSDP_ROLE_MUON || (v.local == 0 && v.master == NULL),
+                  "%s: the context holds %s, a tensor of the job's", what,
+                  m->groups[g].params[i].name);
+        }
+    }
     unsigned long long peak = stats.peak_bytes, maxpeak = 0;
     PMPI_Reduce(&peak, &maxpeak, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, 0, MPI_COMM_WORLD);
     if (g_rank == 0) {
@@ -896,8 +979,8 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
             }
             double rel = sqrt(nd) / (sqrt(nref) + 1e-30);
             worst = rel > worst ? rel : worst;
-            CHECK(rel <= 1e-5, "%s: %s differs from the reference by %.3g relative", what,
-                  p->name, rel);
+            CHECK(rel <= 1e-5, "%s: %s differs from the reference by %.3g relative", what, p->name,
+                  rel);
             if (!p->requires_grad) {
                 /* Frozen: exactly the initial weights. */
                 for (size_t e = 0; e < v.local_valid; e++) {
@@ -926,7 +1009,10 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
             mfsdp_param_view_t v;
             CHECK_OK(mfsdp_ctx_get_param(ctx, p->name, &v));
             full[i] = calloc((size_t)p->numel + 64, elt);
-            if (v.owner >= 0) {
+            if (job && v.owner < 0) {
+                /* the job's own tensor: its shards (which this job never updates) travel */
+                memcpy(full[i], W.w[g][i], (size_t)p->numel * elt);
+            } else if (v.owner >= 0) {
                 if (v.owner == g_rank) {
                     memcpy(full[i], v.comm, (size_t)p->numel * elt);
                 }
@@ -1146,6 +1232,21 @@ int main(int argc, char **argv)
          MFSDP_OP_AVG},
         {MFSDP_TAIL_OWNER, MFSDP_ALGO_CHAIN, MFSDP_ALGO_DIRECT, MFSDP_STEP_LAZY, 1, 2.0,
          MFSDP_OP_AVG},
+        /* params without gradient in some reduces (unused this step), eager and lazy */
+        {MFSDP_TAIL_SHARD, MFSDP_ALGO_DIRECT, MFSDP_ALGO_DIRECT, MFSDP_STEP_EAGER, 1, 0.0,
+         MFSDP_OP_AVG, 1, 0},
+        {MFSDP_TAIL_OWNER, MFSDP_ALGO_CHAIN, MFSDP_ALGO_CHAIN, MFSDP_STEP_LAZY, 2, 0.7,
+         MFSDP_OP_SUM, 1, 0},
+        /* the manifest's lr schedule; the job's own factor with manual steps */
+        {MFSDP_TAIL_SHARD, MFSDP_ALGO_NATIVE, MFSDP_ALGO_DIRECT, MFSDP_STEP_EAGER, 1, 0.0,
+         MFSDP_OP_AVG, 0, 1},
+        {MFSDP_TAIL_OWNER, MFSDP_ALGO_DIRECT, MFSDP_ALGO_NATIVE, MFSDP_STEP_MANUAL, 2, 0.0,
+         MFSDP_OP_PREMULSUM, 1, 0},
+        /* tail "job": AdamW tensors stay the job's */
+        {MFSDP_TAIL_JOB, MFSDP_ALGO_CHAIN, MFSDP_ALGO_DIRECT, MFSDP_STEP_EAGER, 1, 0.0,
+         MFSDP_OP_AVG, 1, 0},
+        {MFSDP_TAIL_JOB, MFSDP_ALGO_DIRECT, MFSDP_ALGO_CHAIN, MFSDP_STEP_MANUAL, 1, 0.0,
+         MFSDP_OP_SUM, 0, 0},
     };
     for (size_t c = 0; c < sizeof(cfgs) / sizeof(cfgs[0]); c++) {
         test_train(3000 + c, &cfgs[c]);
