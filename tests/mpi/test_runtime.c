@@ -749,6 +749,155 @@ static double manual_factor(int t)
     return 0.25 + 0.75 * fabs(cos(0.7 * t));
 }
 
+/* The float64 reference of every param, from the initial weights W. */
+static ref_param_t **ref_create(const mfsdp_manifest_t *m, const weights_t *W)
+{
+    ref_param_t **R = calloc(m->ngroups, sizeof(*R));
+    for (size_t g = 0; g < m->ngroups; g++) {
+        R[g] = calloc(m->groups[g].nparams, sizeof(**R));
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            const mfsdp_param_desc_t *p = &m->groups[g].params[i];
+            ref_param_t *q = &R[g][i];
+            q->numel = p->numel;
+            q->rows = p->shape[0];
+            q->cols = p->numel / p->shape[0];
+            q->muon = p->optimizer == MFSDP_ROLE_MUON;
+            q->rg = p->requires_grad;
+            q->w = calloc((size_t)p->numel, sizeof(double));
+            q->mom = calloc((size_t)p->numel, sizeof(double));
+            q->m = calloc((size_t)p->numel, sizeof(double));
+            q->v = calloc((size_t)p->numel, sizeof(double));
+            q->g = calloc((size_t)p->numel, sizeof(double));
+            for (int64_t e = 0; e < p->numel; e++) {
+                q->w[e] = get(W->w[g][i], p->dtype, (size_t)e);
+            }
+        }
+    }
+    return R;
+}
+
+static void ref_free(const mfsdp_manifest_t *m, ref_param_t **R)
+{
+    for (size_t g = 0; g < m->ngroups; g++) {
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            free(R[g][i].w);
+            free(R[g][i].mom);
+            free(R[g][i].m);
+            free(R[g][i].v);
+            free(R[g][i].g);
+        }
+        free(R[g]);
+    }
+    free(R);
+}
+
+/* The context's masters on this rank against the reference; returns the worst relative
+ * error (and checks frozen params kept their initial weights exactly). */
+static double compare_masters(mfsdp_ctx_h ctx, const mfsdp_manifest_t *m, ref_param_t **R,
+                              const weights_t *W, const char *what)
+{
+    double worst = 0;
+    size_t ng = m->ngroups;
+    for (size_t g = 0; g < ng; g++) {
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            const mfsdp_param_desc_t *p = &m->groups[g].params[i];
+            ref_param_t *q = &R[g][i];
+            mfsdp_param_view_t v;
+            CHECK_OK(mfsdp_ctx_get_param(ctx, p->name, &v));
+            if (!v.local || v.master == NULL) {
+                continue;
+            }
+            double nref = 0, nd = 0;
+            for (int64_t e = 0; e < q->numel; e++) {
+                nref += q->w[e] * q->w[e];
+            }
+            for (size_t e = 0; e < v.local_valid; e++) {
+                double d = v.master[e] - q->w[v.local_offset + e];
+                nd += d * d;
+            }
+            double rel = sqrt(nd) / (sqrt(nref) + 1e-30);
+            worst = rel > worst ? rel : worst;
+            CHECK(rel <= 1e-5, "%s: %s differs from the reference by %.3g relative", what, p->name,
+                  rel);
+            if (!p->requires_grad) {
+                /* Frozen: exactly the initial weights. */
+                for (size_t e = 0; e < v.local_valid; e++) {
+                    double w0 = get(W->w[g][i], p->dtype, v.local_offset + e);
+                    if (v.master[e] != (float)w0) {
+                        CHECK(0, "%s: frozen %s changed", what, p->name);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    return worst;
+}
+
+/* One optimizer step of the float64 reference: full-matrix Muon and AdamW on the summed
+ * gradients, lr times f, global-norm clipping when clip > 0; params without gradient in the
+ * window, frozen ones and (job) the job's AdamW tensors are left alone. */
+static void ref_step(const mfsdp_manifest_t *m, ref_param_t **R, double f, double clip, int job)
+{
+    const mfsdp_hparams_t *hp = &m->hp;
+    size_t ng = m->ngroups;
+    double coef = 1.0;
+    if (clip > 0) {
+        double sq = 0;
+        for (size_t g = 0; g < ng; g++) {
+            for (size_t i = 0; i < m->groups[g].nparams; i++) {
+                for (int64_t e = 0; e < R[g][i].numel; e++) {
+                    sq += R[g][i].g[e] * R[g][i].g[e];
+                }
+            }
+        }
+        double c = clip / (sqrt(sq) + 1e-6);
+        coef = c < 1.0 ? c : 1.0;
+    }
+    for (size_t g = 0; g < ng; g++) {
+        const mfsdp_group_desc_t *gd = &m->groups[g];
+        double lr = hp->lr * gd->lr_scale * f, alr = hp->adamw_lr * gd->lr_scale * f;
+        double wd = gd->has_weight_decay ? gd->weight_decay : hp->weight_decay;
+        double awd = gd->has_weight_decay ? gd->weight_decay : hp->adamw_weight_decay;
+        for (size_t i = 0; i < gd->nparams; i++) {
+            ref_param_t *q = &R[g][i];
+            if (!q->rg || !q->had || (job && !q->muon)) {
+                continue; /* frozen, no gradient (skipped as torch does), or the job's */
+            }
+            q->had = 0;
+            int64_t n = q->numel;
+            for (int64_t e = 0; e < n; e++) {
+                q->g[e] *= coef;
+            }
+            if (q->muon) {
+                double beta = hp->momentum;
+                double *u = malloc(sizeof(double) * (size_t)n);
+                for (int64_t e = 0; e < n; e++) {
+                    q->mom[e] = beta * q->mom[e] + (1 - beta) * q->g[e];
+                    u[e] = hp->nesterov ? (1 - beta) * q->g[e] + beta * q->mom[e] : q->mom[e];
+                }
+                ns_ref(u, q->rows, q->cols, hp->ns_steps);
+                double s = q->rows > q->cols ? sqrt((double)q->rows / (double)q->cols) : 1.0;
+                for (int64_t e = 0; e < n; e++) {
+                    q->w[e] = q->w[e] * (1 - lr * wd) - lr * s * u[e];
+                }
+                free(u);
+            } else {
+                double b1 = hp->adamw_beta1, b2 = hp->adamw_beta2;
+                q->t++;
+                double bc1 = 1 - pow(b1, q->t), bc2 = 1 - pow(b2, q->t);
+                for (int64_t e = 0; e < n; e++) {
+                    q->m[e] = b1 * q->m[e] + (1 - b1) * q->g[e];
+                    q->v[e] = b2 * q->v[e] + (1 - b2) * q->g[e] * q->g[e];
+                    q->w[e] = q->w[e] * (1 - alr * awd) -
+                              alr * (q->m[e] / bc1) / (sqrt(q->v[e] / bc2) + hp->adamw_eps);
+                }
+            }
+            memset(q->g, 0, sizeof(double) * (size_t)n);
+        }
+    }
+}
+
 static void test_train(uint64_t seed, const train_cfg_t *tc)
 {
     const int nsteps = 20;
@@ -777,33 +926,14 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
         manifest_free(m);
         return;
     }
-    const mfsdp_hparams_t *hp = &m->hp;
 
     /* Reference state, full tensors in double. */
     size_t ng = m->ngroups;
-    ref_param_t **R = calloc(ng, sizeof(*R));
+    ref_param_t **R = ref_create(m, &W);
     lay_t *LA = calloc(ng, sizeof(*LA)), *LR = calloc(ng, sizeof(*LR));
     for (size_t g = 0; g < ng; g++) {
         layout_of(&m->groups[g], 0, g_world, &LA[g]);
         layout_of(&m->groups[g], 1, g_world, &LR[g]);
-        R[g] = calloc(m->groups[g].nparams, sizeof(**R));
-        for (size_t i = 0; i < m->groups[g].nparams; i++) {
-            const mfsdp_param_desc_t *p = &m->groups[g].params[i];
-            ref_param_t *q = &R[g][i];
-            q->numel = p->numel;
-            q->rows = p->shape[0];
-            q->cols = p->numel / p->shape[0];
-            q->muon = p->optimizer == MFSDP_ROLE_MUON;
-            q->rg = p->requires_grad;
-            q->w = calloc((size_t)p->numel, sizeof(double));
-            q->mom = calloc((size_t)p->numel, sizeof(double));
-            q->m = calloc((size_t)p->numel, sizeof(double));
-            q->v = calloc((size_t)p->numel, sizeof(double));
-            q->g = calloc((size_t)p->numel, sizeof(double));
-            for (int64_t e = 0; e < p->numel; e++) {
-                q->w[e] = get(W.w[g][i], p->dtype, (size_t)e);
-            }
-        }
     }
 
     int micro_total = 0;
@@ -868,64 +998,10 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
             CHECK_OK(mfsdp_ctx_step(ctx));
         }
         /* Reference step. */
-        double coef = 1.0;
-        if (tc->clip > 0) {
-            double sq = 0;
-            for (size_t g = 0; g < ng; g++) {
-                for (size_t i = 0; i < m->groups[g].nparams; i++) {
-                    for (int64_t e = 0; e < R[g][i].numel; e++) {
-                        sq += R[g][i].g[e] * R[g][i].g[e];
-                    }
-                }
-            }
-            double c = tc->clip / (sqrt(sq) + 1e-6);
-            coef = c < 1.0 ? c : 1.0;
-        }
         double f = tc->mode == MFSDP_STEP_MANUAL ? manual_factor(step)
                    : tc->schedule                ? sched_factor(step)
                                                  : 1.0;
-        for (size_t g = 0; g < ng; g++) {
-            const mfsdp_group_desc_t *gd = &m->groups[g];
-            double lr = hp->lr * gd->lr_scale * f, alr = hp->adamw_lr * gd->lr_scale * f;
-            double wd = gd->has_weight_decay ? gd->weight_decay : hp->weight_decay;
-            double awd = gd->has_weight_decay ? gd->weight_decay : hp->adamw_weight_decay;
-            for (size_t i = 0; i < gd->nparams; i++) {
-                ref_param_t *q = &R[g][i];
-                if (!q->rg || !q->had || (job && !q->muon)) {
-                    continue; /* frozen, no gradient (skipped as torch does), or the job's */
-                }
-                q->had = 0;
-                int64_t n = q->numel;
-                for (int64_t e = 0; e < n; e++) {
-                    q->g[e] *= coef;
-                }
-                if (q->muon) {
-                    double beta = hp->momentum;
-                    double *u = malloc(sizeof(double) * (size_t)n);
-                    for (int64_t e = 0; e < n; e++) {
-                        q->mom[e] = beta * q->mom[e] + (1 - beta) * q->g[e];
-                        u[e] = hp->nesterov ? (1 - beta) * q->g[e] + beta * q->mom[e] : q->mom[e];
-                    }
-                    ns_ref(u, q->rows, q->cols, hp->ns_steps);
-                    double s = q->rows > q->cols ? sqrt((double)q->rows / (double)q->cols) : 1.0;
-                    for (int64_t e = 0; e < n; e++) {
-                        q->w[e] = q->w[e] * (1 - lr * wd) - lr * s * u[e];
-                    }
-                    free(u);
-                } else {
-                    double b1 = hp->adamw_beta1, b2 = hp->adamw_beta2;
-                    q->t++;
-                    double bc1 = 1 - pow(b1, q->t), bc2 = 1 - pow(b2, q->t);
-                    for (int64_t e = 0; e < n; e++) {
-                        q->m[e] = b1 * q->m[e] + (1 - b1) * q->g[e];
-                        q->v[e] = b2 * q->v[e] + (1 - b2) * q->g[e] * q->g[e];
-                        q->w[e] = q->w[e] * (1 - alr * awd) -
-                                  alr * (q->m[e] / bc1) / (sqrt(q->v[e] / bc2) + hp->adamw_eps);
-                    }
-                }
-                memset(q->g, 0, sizeof(double) * (size_t)n);
-            }
-        }
+        ref_step(m, R, f, tc->clip, job);
     }
     /* The last step is pending in a lazy context: flush it, counting MPI calls. */
     g_calls_total = g_calls_allreduce = g_calls_wait = 0;
@@ -958,41 +1034,7 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
         printf("%s: peak context bytes per rank (arena + staging) %llu\n", what, maxpeak);
     }
 
-    /* Compare masters with the reference. */
-    double worst = 0;
-    for (size_t g = 0; g < ng; g++) {
-        for (size_t i = 0; i < m->groups[g].nparams; i++) {
-            const mfsdp_param_desc_t *p = &m->groups[g].params[i];
-            ref_param_t *q = &R[g][i];
-            mfsdp_param_view_t v;
-            CHECK_OK(mfsdp_ctx_get_param(ctx, p->name, &v));
-            if (!v.local || v.master == NULL) {
-                continue;
-            }
-            double nref = 0, nd = 0;
-            for (int64_t e = 0; e < q->numel; e++) {
-                nref += q->w[e] * q->w[e];
-            }
-            for (size_t e = 0; e < v.local_valid; e++) {
-                double d = v.master[e] - q->w[v.local_offset + e];
-                nd += d * d;
-            }
-            double rel = sqrt(nd) / (sqrt(nref) + 1e-30);
-            worst = rel > worst ? rel : worst;
-            CHECK(rel <= 1e-5, "%s: %s differs from the reference by %.3g relative", what, p->name,
-                  rel);
-            if (!p->requires_grad) {
-                /* Frozen: exactly the initial weights. */
-                for (size_t e = 0; e < v.local_valid; e++) {
-                    double w0 = get(W.w[g][i], p->dtype, v.local_offset + e);
-                    if (v.master[e] != (float)w0) {
-                        CHECK(0, "%s: frozen %s changed", what, p->name);
-                        break;
-                    }
-                }
-            }
-        }
-    }
+    double worst = compare_masters(ctx, m, R, &W, what);
     double gworst = 0;
     PMPI_Allreduce(&worst, &gworst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     if (g_rank == 0) {
@@ -1034,17 +1076,7 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
     }
 
     mfsdp_ctx_destroy(&ctx);
-    for (size_t g = 0; g < ng; g++) {
-        for (size_t i = 0; i < m->groups[g].nparams; i++) {
-            free(R[g][i].w);
-            free(R[g][i].mom);
-            free(R[g][i].m);
-            free(R[g][i].v);
-            free(R[g][i].g);
-        }
-        free(R[g]);
-    }
-    free(R);
+    ref_free(m, R);
     free(calls_first);
     free(LA);
     free(LR);
