@@ -105,10 +105,9 @@ mfsdp_status_t mfsdp_ctx_replicate(mfsdp_ctx_h ctx, size_t group, const void *se
     group_range(ctx, group, 1, &lo, &hi);
     MFSDP_CHECK(reduce_range(ctx, lo, hi, scale, 1));
 
-    /* The job's view: zero for owner-managed bytes. Under tail "job" its tail bytes are the
-     * only gradient of those tensors: all-reduced as the job's own all-reduce would. (Other
-     * tail policies keep the tail's state in the owners' arenas, reduced above; the job's
-     * optimizer does not run on it.) */
+    /* The job's view: zero for owner-managed bytes, its sharded-tail bytes all-reduced as the
+     * job's own all-reduce would (under tail "job" they are the only gradient of those
+     * tensors). */
     if (rs->bytes != 0 && sendbuf != recvbuf) {
         memmove(recvbuf, sendbuf, rs->bytes);
     }
@@ -119,7 +118,7 @@ mfsdp_status_t mfsdp_ctx_replicate(mfsdp_ctx_h ctx, size_t group, const void *se
         }
     }
     size_t tail_elems = 0;
-    for (size_t k = 0; ctx->plan->tail == MFSDP_TAIL_JOB && k < gs->ntail; k++) {
+    for (size_t k = 0; k < gs->ntail; k++) {
         long e = gs->layout->rs_entry[gs->tail[k]];
         tail_elems += e >= 0 ? (size_t)rs->entries[e].s : 0;
     }

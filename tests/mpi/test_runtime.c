@@ -26,6 +26,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "core/log.h"
 #include "mfsdp/kernels.h"
 #include "mfsdp/runtime_mpi.h"
 #include "tests/lib/ns_ref.h"
@@ -1238,6 +1239,194 @@ static void test_errors(void)
     manifest_free(m);
 }
 
+/* ---------------------------------------------------------------------------------------
+ * 4. HSDP: a 2-D mesh of 2 replicas x (world / 2) shard ranks. The job reduce-scatters (avg)
+ *    in its shard group and all-reduces (avg) over its replicate group; the owners' masters
+ *    must follow the float64 reference on the average over every rank's contribution.
+ */
+static void test_hsdp(uint64_t seed, mfsdp_tail_policy_t tail, int drop)
+{
+    if (g_world % 2 != 0) {
+        return; /* 1 and 3 ranks: no mesh with 2 replicas */
+    }
+    const int nsteps = 8, shard = g_world / 2, grank = g_rank, gworld = g_world;
+    MPI_Comm sc, rc;
+    PMPI_Comm_split(MPI_COMM_WORLD, grank / shard, grank, &sc); /* consecutive ranks */
+    PMPI_Comm_split(MPI_COMM_WORLD, grank % shard, grank, &rc); /* same position */
+    mfsdp_manifest_t *m = random_manifest(seed);
+    m->replicate = 2;
+    weights_t W = make_weights(m, seed);
+    char what[128];
+    snprintf(what, sizeof(what), "hsdp seed %llu 2 x %d tail %s%s", (unsigned long long)seed, shard,
+             tail == MFSDP_TAIL_JOB     ? "job"
+             : tail == MFSDP_TAIL_SHARD ? "shard"
+                                        : "owner",
+             drop ? " drop" : "");
+    mfsdp_ctx_opts_t o;
+    memset(&o, 0, sizeof(o));
+    o.has_plan_opts = 1;
+    o.plan_opts.tail = tail;
+    o.gather_algo = MFSDP_ALGO_DIRECT;
+    o.reduce_algo = MFSDP_ALGO_CHAIN;
+    o.chain_chunk = 64;
+    o.has_step_mode = 1;
+    o.step_mode = MFSDP_STEP_EAGER;
+    o.accum_steps = 1;
+    o.has_clip = 1;
+    mfsdp_ctx_h ctx = NULL;
+    mfsdp_status_t st = mfsdp_ctx_create_mpi(m, &o, sc, &ctx);
+    CHECK(st == MFSDP_OK, "%s: create: %s", what, mfsdp_status_string(st));
+    if (st == MFSDP_OK) {
+        st = mfsdp_ctx_attach_replicate_mpi(ctx, rc);
+        CHECK(st == MFSDP_OK, "%s: attach: %s", what, mfsdp_status_string(st));
+    }
+    if (st != MFSDP_OK) {
+        mfsdp_ctx_destroy(&ctx);
+        free_weights(m, &W);
+        manifest_free(m);
+        PMPI_Comm_free(&sc);
+        PMPI_Comm_free(&rc);
+        return;
+    }
+    /* The FSDP layout helpers work at the shard group's size. */
+    int srank = 0;
+    PMPI_Comm_rank(sc, &srank);
+    g_world = shard;
+    g_rank = srank;
+    int job = tail == MFSDP_TAIL_JOB;
+    ref_param_t **R = ref_create(m, &W);
+    for (int step = 0; step < nsteps; step++) {
+        for (size_t g = 0; g < m->ngroups; g++) {
+            lay_t l;
+            layout_of(&m->groups[g], 0, shard, &l);
+            char *recv = malloc(l.S * (size_t)shard + 1);
+            char *send = calloc(1, l.S + 1);
+            build_shard(&l, W.w[g], srank, send);
+            CHECK_OK(mfsdp_ctx_allgather(ctx, g, send, recv, l.count, l.wire));
+            free(recv);
+            free(send);
+        }
+        for (size_t g = m->ngroups; g-- > 0;) {
+            unsigned char mask[8];
+            lay_t l;
+            if (drop) {
+                drop_mask(&m->groups[g], seed, g, step, mask);
+            }
+            layout_of_masked(&m->groups[g], 1, shard, drop ? mask : NULL, &l);
+            if (l.n == 0) {
+                continue;
+            }
+            /* every global rank contributes its own gradient */
+            char *in = rs_input(m, g, &l, seed, grank, step);
+            char *out = malloc(l.S + 1), *red = malloc(l.S + 1);
+            CHECK_OK(mfsdp_ctx_reduce_params(ctx, g, drop ? mask : NULL, in, out, l.count, l.wire,
+                                             MFSDP_OP_AVG, 1.0));
+            CHECK_OK(mfsdp_ctx_replicate(ctx, g, out, red, l.count, l.wire, MFSDP_OP_AVG, 1.0));
+            /* The job's view of the all-reduce: zero where owners manage the bytes, its
+             * sharded-tail slices averaged over every rank, as its own all-reduce would. */
+            for (size_t k = 0; k < l.n; k++) {
+                const mfsdp_param_desc_t *p = &m->groups[g].params[l.idx[k]];
+                mfsdp_param_view_t pv;
+                CHECK_OK(mfsdp_ctx_get_param(ctx, p->name, &pv));
+                int mine = pv.owner == MFSDP_OWNER_SHARDED;
+                int64_t first = srank * l.c[k];
+                int64_t nrows = l.rows[k] - first;
+                nrows = nrows < 0 ? 0 : (nrows > l.c[k] ? l.c[k] : nrows);
+                for (int64_t e = 0; e < l.c[k] * l.rest[k]; e++) {
+                    double got = get(red + l.o[k], l.wire, (size_t)e), want = 0.0;
+                    if (mine && e < nrows * l.rest[k]) {
+                        for (int r = 0; r < gworld; r++) {
+                            char tmp[4];
+                            put(tmp, l.wire, 0,
+                                contrib(seed, r, g, l.idx[k], (size_t)(first * l.rest[k] + e),
+                                        step));
+                            want += get(tmp, l.wire, 0);
+                        }
+                        want /= gworld;
+                    }
+                    double tol = mine ? (l.wire == MFSDP_FLOAT32 ? 1e-6 : 2e-2) : 0.0;
+                    if (fabs(got - want) > tol * (fabs(want) + 1e-3)) {
+                        CHECK(0, "%s: replicate output of %s element %lld: %g, want %g", what,
+                              p->name, (long long)e, got, want);
+                        break;
+                    }
+                }
+            }
+            free(in);
+            free(out);
+            free(red);
+            for (size_t k = 0; k < l.n; k++) {
+                ref_param_t *q = &R[g][l.idx[k]];
+                q->had = 1;
+                for (int64_t e = 0; e < q->numel; e++) {
+                    double sum = 0;
+                    for (int r = 0; r < gworld; r++) {
+                        char tmp[4];
+                        put(tmp, l.wire, 0, contrib(seed, r, g, l.idx[k], (size_t)e, step));
+                        sum += get(tmp, l.wire, 0);
+                    }
+                    q->g[e] += sum / gworld;
+                }
+            }
+        }
+        ref_step(m, R, 1.0, 0.0, job);
+    }
+    double worst = compare_masters(ctx, m, R, &W, what);
+    /* the replicas' owners hold bitwise the same masters */
+    for (size_t g = 0; g < m->ngroups; g++) {
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            mfsdp_param_view_t v;
+            CHECK_OK(mfsdp_ctx_get_param(ctx, m->groups[g].params[i].name, &v));
+            if (!v.local || v.master == NULL) {
+                continue;
+            }
+            float *other = malloc(v.local_elems * sizeof(float) + 4);
+            int peer = 0, rr = 0;
+            PMPI_Comm_rank(rc, &rr);
+            peer = 1 - rr;
+            PMPI_Sendrecv(v.master, (int)v.local_elems, MPI_FLOAT, peer, 7, other,
+                          (int)v.local_elems, MPI_FLOAT, peer, 7, rc, MPI_STATUS_IGNORE);
+            CHECK(memcmp(other, v.master, v.local_elems * sizeof(float)) == 0,
+                  "%s: %s differs between the replicas", what, m->groups[g].params[i].name);
+            free(other);
+        }
+    }
+    /* A reduce must be followed by its replicate all-reduce: every rank refuses the next
+     * all-gather alike. */
+    lay_t l;
+    layout_of(&m->groups[0], 1, shard, &l);
+    if (l.n > 0) {
+        char *in = rs_input(m, 0, &l, seed, grank, 99), *out = malloc(l.S + 1);
+        CHECK_OK(mfsdp_ctx_reduce(ctx, 0, in, out, l.count, l.wire, MFSDP_OP_AVG, 1.0));
+        layout_of(&m->groups[0], 0, shard, &l);
+        char *recv = malloc(l.S * (size_t)shard + 1), *send = calloc(1, l.S + 1);
+        setenv("MFSDP_DEBUG", "NONE", 1);
+        mfsdp_log_reinit();
+        st = mfsdp_ctx_allgather(ctx, 0, send, recv, l.count, l.wire);
+        setenv("MFSDP_DEBUG", "WARN", 1);
+        mfsdp_log_reinit();
+        CHECK(st == MFSDP_ERR_STATE, "%s: all-gather before the replicate all-reduce: %s", what,
+              mfsdp_status_string(st));
+        free(in);
+        free(out);
+        free(recv);
+        free(send);
+    }
+    g_world = gworld;
+    g_rank = grank;
+    double gw = 0;
+    PMPI_Allreduce(&worst, &gw, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    if (g_rank == 0) {
+        printf("%s: max relative error vs float64 reference %.3g\n", what, gw);
+    }
+    mfsdp_ctx_destroy(&ctx);
+    ref_free(m, R);
+    free_weights(m, &W);
+    manifest_free(m);
+    PMPI_Comm_free(&sc);
+    PMPI_Comm_free(&rc);
+}
+
 int main(int argc, char **argv)
 {
     MPI_Init(&argc, &argv);
@@ -1283,6 +1472,9 @@ int main(int argc, char **argv)
     for (size_t c = 0; c < sizeof(cfgs) / sizeof(cfgs[0]); c++) {
         test_train(3000 + c, &cfgs[c]);
     }
+    test_hsdp(4000, MFSDP_TAIL_OWNER, 0);
+    test_hsdp(4001, MFSDP_TAIL_SHARD, 1);
+    test_hsdp(4002, MFSDP_TAIL_JOB, 1);
 
     int total = 0;
     PMPI_Allreduce(&g_failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
