@@ -1,0 +1,91 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Rank agreement (run under mpirun at 2..4 ranks): a rank whose MFSDP_* setting or manifest
+ * differs from the others makes context creation fail on EVERY rank with MFSDP_ERR_MISMATCH
+ * and one message naming the variable and the ranks, never a hang or a truncation.
+ *   test_agree tail      the last rank runs with MFSDP_TAIL=owner, the others with shard
+ *   test_agree manifest  the last rank's manifest has a different learning rate
+ *   test_agree same      every rank agrees: creation succeeds
+ */
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "mfsdp/runtime_mpi.h"
+
+static const char *manifest_text(double lr)
+{
+    static char buf[512];
+    snprintf(buf, sizeof(buf),
+             "{\"format\": \"mfsdp-manifest/1\", \"optimizer\": {\"lr\": %g}, \"groups\": "
+             "[{\"name\": \"g\", \"params\": [{\"name\": \"w\", \"shape\": [8, 4], \"dtype\": "
+             "\"float32\"}, {\"name\": \"b\", \"shape\": [8], \"dtype\": \"float32\"}]}]}",
+             lr);
+    return buf;
+}
+
+int main(int argc, char **argv)
+{
+    MPI_Init(&argc, &argv);
+    int rank, world;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    const char *mode = argc > 1 ? argv[1] : "same";
+    int last = rank == world - 1;
+    setenv("MFSDP_MLOCK", "0", 1);
+    if (strcmp(mode, "tail") == 0) {
+        setenv("MFSDP_TAIL", last ? "owner" : "shard", 1);
+    }
+    double lr = strcmp(mode, "manifest") == 0 && last ? 0.05 : 0.02;
+    const char *text = manifest_text(lr);
+    mfsdp_manifest_t *m = NULL;
+    char err[256];
+    if (mfsdp_manifest_parse(text, strlen(text), "inline", err, sizeof(err), &m) != MFSDP_OK) {
+        fprintf(stderr, "parse: %s\n", err);
+        MPI_Abort(MPI_COMM_WORLD, 2);
+    }
+    /* The warning goes to stderr: capture it in a file to check its text. */
+    char path[64];
+    snprintf(path, sizeof(path), "test_agree.%d.%d.log", (int)getpid(), rank);
+    fflush(stderr);
+    int saved = dup(2);
+    FILE *f = freopen(path, "w", stderr);
+    (void)f;
+    mfsdp_ctx_h ctx = NULL;
+    mfsdp_status_t st = mfsdp_ctx_create_mpi(m, NULL, MPI_COMM_WORLD, &ctx);
+    fflush(stderr);
+    dup2(saved, 2);
+    char log[4096] = "";
+    FILE *in = fopen(path, "r");
+    size_t n = in != NULL ? fread(log, 1, sizeof(log) - 1, in) : 0;
+    log[n] = '\0';
+    if (in != NULL) {
+        fclose(in);
+    }
+    unlink(path);
+    int fail = 0;
+    if (strcmp(mode, "same") == 0) {
+        fail = st != MFSDP_OK;
+    } else {
+        char want[128];
+        snprintf(want, sizeof(want), "%s differs across ranks:",
+                 strcmp(mode, "tail") == 0 ? "MFSDP_TAIL" : "the manifest");
+        fail = st != MFSDP_ERR_MISMATCH || strstr(log, want) == NULL ||
+               (strcmp(mode, "tail") == 0 &&
+                (strstr(log, "'shard' on rank") == NULL || strstr(log, "'owner' on rank") == NULL));
+    }
+    if (fail) {
+        fprintf(stderr, "[rank %d] mode %s: status %s, log:\n%s\n", rank, mode,
+                mfsdp_status_string(st), log);
+    } else if (rank == 0) {
+        printf("ok: mode %s: every rank got %s\n%s", mode, mfsdp_status_string(st), log);
+    }
+    mfsdp_ctx_destroy(&ctx);
+    mfsdp_manifest_free(m);
+    int total = 0;
+    MPI_Allreduce(&fail, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Finalize();
+    return total == 0 ? 0 : 1;
+}
