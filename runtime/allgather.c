@@ -195,3 +195,85 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
     ctx->allgathers++;
     return MFSDP_OK;
 }
+
+/* ---------------------------------------------------------------------------------------
+ * Weight write-back
+ */
+
+mfsdp_status_t mfsdp_ctx_scatter_masters(mfsdp_ctx_h ctx, size_t group, float *block, size_t count)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    MFSDP_CHECK(mfsdp_ctx_group_check(ctx, group, "scatter_masters"));
+    const mfsdp_group_sched_t *gs = ctx->groups[group].gs;
+    const mfsdp_buffer_layout_t *ag = &gs->layout->ag;
+    const char *gname = ctx->manifest->groups[group].name;
+    /* The group's FSDP layout in fp32 elements: o_i = sum of earlier s_j. */
+    size_t np = ctx->manifest->groups[group].nparams;
+    size_t *off = calloc(np + 1, sizeof(size_t));
+    if (off == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    for (size_t i = 0; i < np; i++) {
+        off[i + 1] = off[i] + (size_t)ag->entries[i].s;
+    }
+    mfsdp_status_t st = MFSDP_OK;
+    mfsdp_p2p_t *v = NULL;
+    if (count != off[np] || (block == NULL && count != 0)) {
+        MFSDP_WARN("scatter_masters of group %s: got %zu floats, its FSDP shard has %zu", gname,
+                   count, off[np]);
+        st = block == NULL ? MFSDP_ERR_INVALID_ARG : MFSDP_ERR_MISMATCH;
+        goto out;
+    }
+    if (!ctx->groups[group].initialized) {
+        MFSDP_WARN("scatter_masters of group %s: no weights yet (before its first all-gather)",
+                   gname);
+        st = MFSDP_ERR_STATE;
+        goto out;
+    }
+    int n = ctx->world;
+    v = calloc(gs->nsegs * (size_t)n + 1, sizeof(*v));
+    if (v == NULL) {
+        st = MFSDP_ERR_NO_MEMORY;
+        goto out;
+    }
+    size_t nv = 0;
+    for (size_t i = 0; i < gs->nsegs; i++) {
+        const mfsdp_sched_seg_t *s = &gs->segs[i];
+        const mfsdp_param_layout_t *e = &ag->entries[s->param];
+        const float *master = mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_MASTER);
+        float *mine = block + off[s->param];
+        size_t row = (size_t)e->rest;
+        size_t valid = mfsdp_ctx_slice_valid(ctx, e);
+        memset(mine + valid, 0, ((size_t)e->s - valid) * sizeof(float)); /* padding rows */
+        for (int r = 0; r < n; r++) {
+            int64_t first = (int64_t)r * e->c;
+            int64_t rows = e->rows - first;
+            rows = rows < 0 ? 0 : (rows > e->c ? e->c : rows);
+            size_t bytes = (size_t)rows * row * sizeof(float);
+            if (bytes == 0) {
+                continue;
+            }
+            const float *src = master != NULL ? master + (size_t)first * row : NULL;
+            if (s->owner == ctx->rank && r == ctx->rank) {
+                memcpy(mine, src, bytes);
+            } else if (s->owner == ctx->rank) {
+                v[nv++] = (mfsdp_p2p_t){1, r, 2 * (int)i + 1, (void *)src, bytes};
+            } else if (r == ctx->rank) {
+                v[nv++] = (mfsdp_p2p_t){0, s->owner, 2 * (int)i + 1, mine, bytes};
+            }
+        }
+    }
+    MFSDP_CHECK_GOTO(ctx->tp->ops->p2p(ctx->tp, v, nv), st, out);
+    for (size_t k = 0; k < gs->ntail; k++) {
+        size_t pi = gs->tail[k];
+        const float *master =
+            mfsdp_ctx_slot(ctx, ctx->plan->group_first[group] + pi, MFSDP_ARENA_MASTER);
+        if (master != NULL) { /* NULL under tail "job": the job's own bytes stay */
+            memcpy(block + off[pi], master, (size_t)ag->entries[pi].s * sizeof(float));
+        }
+    }
+out:
+    free(v);
+    free(off);
+    return st;
+}

@@ -213,6 +213,23 @@ MFSDP_API mfsdp_status_t mfsdp_ctx_replicate(mfsdp_ctx_h ctx, size_t group, cons
                                              mfsdp_redop_t op, double scalar);
 
 /**
+ * @brief Write the owners' fp32 master weights back into this rank's FSDP shard of a group
+ *        (before the job saves its own checkpoint, so that it holds the trained weights).
+ *
+ * @p block is this rank's shard in FSDP's layout, in float32: the params in FSDP order, param
+ * i at element offset o_i = sum of earlier s_j, rows [rank * c_i, (rank + 1) * c_i) of it, rows
+ * past the tensor zero. Owner-managed params (and sharded-tail slices the context holds) are
+ * written; the job's own params (tail "job") are left untouched. Collective (owners send each
+ * rank its rows: the owned bytes cross the network once).
+ * @param [out] block  count floats
+ * @param [in]  count  sum of the group's s_i
+ * @return MFSDP_OK, MFSDP_ERR_STATE (group not all-gathered yet), MFSDP_ERR_MISMATCH (count),
+ *         MFSDP_ERR_INVALID_ARG, MFSDP_ERR_TRANSPORT
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_scatter_masters(mfsdp_ctx_h ctx, size_t group, float *block,
+                                                   size_t count);
+
+/**
  * @brief Multiply the learning rates of the following steps by @p factor (the job's own
  *        schedule: its current lr / its initial lr). Replaces the manifest's schedule; a
  *        negative factor returns to it. Not collective (every rank should set the same).

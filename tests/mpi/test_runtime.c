@@ -1036,6 +1036,49 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
     }
 
     double worst = compare_masters(ctx, m, R, &W, what);
+    /* The write-back of masters into this rank's FSDP shard (the companion's checkpoints):
+     * the reference's rows, zero padding, the job's own params untouched. */
+    for (size_t g = 0; g < ng; g++) {
+        const mfsdp_group_desc_t *gd = &m->groups[g];
+        size_t cnt = 0, off[8];
+        for (size_t i = 0; i < gd->nparams; i++) {
+            off[i] = cnt;
+            cnt += (size_t)(LA[g].c[i] * LA[g].rest[i]);
+        }
+        float *block = malloc(cnt * sizeof(float) + 4);
+        for (size_t e = 0; e < cnt; e++) {
+            block[e] = -7.0f; /* a sentinel no weight holds */
+        }
+        CHECK_OK(mfsdp_ctx_scatter_masters(ctx, g, block, cnt));
+        for (size_t i = 0; i < gd->nparams; i++) {
+            ref_param_t *q = &R[g][i];
+            int64_t first = g_rank * LA[g].c[i], rows = q->rows - first;
+            rows = rows < 0 ? 0 : (rows > LA[g].c[i] ? LA[g].c[i] : rows);
+            size_t valid = (size_t)(rows * LA[g].rest[i]);
+            double nd = 0, nr = 1e-30;
+            int bad_pad = 0, touched = 0;
+            for (size_t e = 0; e < (size_t)(LA[g].c[i] * LA[g].rest[i]); e++) {
+                float x = block[off[i] + e];
+                if (job && !q->muon) {
+                    touched |= x != -7.0f;
+                } else if (e < valid) {
+                    double d = x - q->w[(size_t)first * (size_t)LA[g].rest[i] + e];
+                    nd += d * d;
+                    nr += q->w[(size_t)first * (size_t)LA[g].rest[i] + e] *
+                          q->w[(size_t)first * (size_t)LA[g].rest[i] + e];
+                } else {
+                    bad_pad |= x != 0.0f;
+                }
+            }
+            CHECK(!touched, "%s: scatter_masters wrote %s, the job's own", what,
+                  gd->params[i].name);
+            CHECK(!bad_pad, "%s: scatter_masters left padding of %s non-zero", what,
+                  gd->params[i].name);
+            CHECK(sqrt(nd / nr) <= 1e-5, "%s: scatter_masters of %s is %.3g off the reference",
+                  what, gd->params[i].name, sqrt(nd / nr));
+        }
+        free(block);
+    }
     double gworst = 0;
     PMPI_Allreduce(&worst, &gworst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     if (g_rank == 0) {
