@@ -45,6 +45,9 @@ fi
 
 echo "setup-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+# Another apt (unattended upgrades, a second shell) may hold the dpkg lock: wait for it
+# rather than fail (apt's own lock timeout, in seconds).
+apt_wait=(-o DPkg::Lock::Timeout=600)
+$SUDO apt-get "${apt_wait[@]}" update -qq
+$SUDO apt-get "${apt_wait[@]}" install -y -qq "${missing[@]}" >/dev/null
 echo "setup-deps: done"
