@@ -45,9 +45,25 @@ fi
 
 echo "setup-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
-# Another apt (unattended upgrades, a second shell) may hold the dpkg lock: wait for it
-# rather than fail (apt's own lock timeout, in seconds).
+# Another apt (unattended upgrades, a second shell) may hold a lock: wait for it rather than
+# fail. apt waits for the dpkg lock itself (DPkg::Lock::Timeout) but not for the package
+# lists' lock, which `update` takes: retry that while apt says a lock is held.
 apt_wait=(-o DPkg::Lock::Timeout=600)
-$SUDO apt-get "${apt_wait[@]}" update -qq
-$SUDO apt-get "${apt_wait[@]}" install -y -qq "${missing[@]}" >/dev/null
+apt_retry() { # command...
+  local out rc tries=0
+  while :; do
+    out=$("$@" 2>&1) && { printf '%s' "$out" | grep -v '^$' >&2 || true; return 0; }
+    rc=$?
+    if printf '%s' "$out" | grep -q 'Could not get lock' && [ $tries -lt 120 ]; then
+      tries=$((tries + 1))
+      [ $tries -eq 1 ] && echo "setup-deps: waiting for another apt to release its lock" >&2
+      sleep 5
+      continue
+    fi
+    printf '%s\n' "$out" >&2
+    return $rc
+  done
+}
+apt_retry $SUDO apt-get "${apt_wait[@]}" update -qq
+apt_retry $SUDO apt-get "${apt_wait[@]}" install -y -qq "${missing[@]}" >/dev/null
 echo "setup-deps: done"
