@@ -366,7 +366,9 @@ shim_result_t shim_dispatch(shim_comm_t *c, const shim_call_t *call, mfsdp_statu
         res = SHIM_ERROR;
         goto out;
     }
-    st = mfsdp_matcher_next(c->matcher, &call->sig, err, sizeof(err), &group);
+    mfsdp_match_t match = {.group = MFSDP_GROUP_NONE};
+    st = mfsdp_matcher_next(c->matcher, &call->sig, &match, err, sizeof(err));
+    group = match.group;
     if (st != MFSDP_OK) {
         MFSDP_WARN("%s", err);
         c->failed = 1;

@@ -12,7 +12,8 @@
 #include <mpi.h>
 #include <pthread.h>
 
-#include "core/sequence.h"
+#include "core/matcher.h"
+#include "core/record.h"
 #include "mfsdp/runtime_mpi.h"
 
 typedef enum shim_frontend { SHIM_MPI = 0, SHIM_NCCL = 1 } shim_frontend_t;

@@ -19,9 +19,10 @@
 #include <unistd.h>
 
 #include "core/config.h"
-#include "core/settings.h"
-#include "core/sequence.h"
+#include "core/join.h"
 #include "core/log.h"
+#include "core/record.h"
+#include "core/settings.h"
 #include "mfsdp/manifest.h"
 #include "mfsdp/plan.h"
 
@@ -47,7 +48,8 @@ static const char usage_text[] =
     "  -m, --mem-limit SIZE owner-arena bytes per rank, K/M/G/T suffixes, 0 = unlimited\n"
     "                       (default: MFSDP_MEM_LIMIT)\n"
     "  -r, --record FILE    join a call record (written by the shim with MFSDP_RECORD=FILE)\n"
-    "                       with MANIFEST: its calls become the manifest's \"sequence\"\n"
+    "                       with MANIFEST: its calls become the manifest's \"sequence\" and\n"
+    "                       \"iteration\" variants (refused when the record is ambiguous)\n"
     "  -w, --write-manifest OUT  write the manifest (with the joined sequence) to OUT\n"
     "      --env            list every MFSDP_* variable with its default and help\n"
     "  -h, --help           this text\n"
@@ -244,29 +246,27 @@ static void print_table(FILE *out, const char *path, const mfsdp_plan_t *p, size
 
 /* ---- record join ---------------------------------------------------------------------- */
 
-/* Replace m's sequence with the join of the record at path (core/sequence.h). */
+/* Replace m's sequence and iteration variants with the join of the record at path
+ * (core/join.h). */
 static mfsdp_status_t join_record(mfsdp_manifest_t *m, int world, const char *path, char *err,
                                   size_t errlen)
 {
     mfsdp_record_t *rec = NULL;
-    mfsdp_call_t *seq = NULL;
-    size_t n = 0;
+    mfsdp_join_t *j = NULL;
     mfsdp_status_t st = mfsdp_record_load(path, err, errlen, &rec);
     if (st == MFSDP_OK) {
-        st = mfsdp_record_join(m, world, rec, err, errlen, &seq, &n);
+        st = mfsdp_record_join(m, world, rec, err, errlen, &j);
     }
     mfsdp_record_free(rec);
     if (st != MFSDP_OK) {
         return st;
     }
-    if (n == 0) {
-        free(seq);
-        snprintf(err, errlen, "%s: no recorded call matches the manifest", path);
-        return MFSDP_ERR_MISMATCH;
-    }
     free(m->sequence);
-    m->sequence = seq;
-    m->ncalls = n;
+    m->sequence = j->sequence;
+    m->ncalls = j->ncalls;
+    m->iteration = j->iteration;
+    j->sequence = NULL;
+    mfsdp_join_free(j);
     return MFSDP_OK;
 }
 
