@@ -28,7 +28,8 @@
                the divide modes = the plain average, an unused param = its absence); both
                flavours are bitwise equal; a param without gradient never changes (no
                optimizer state, no weight decay); the manifests of both flavours are valid
-               (groups, world_size, replicate, training, optimizer.schedule/max_norm) and the
+               (groups, world_size, replicate, training, optimizer.schedule/max_norm; with
+               --plan, mfsdp-plan accepts them) and the
                NCCL flavour's wire (FAKE_NCCL_TRACE) is exactly what FSDP2's rules, derived
                here independently, give (counts, ops, HSDP all-reduces on the replicate group
                after each reduce-scatter, clip and loss all-reduces, final gathers), and the
@@ -748,6 +749,8 @@ def cmd_mode(args, tmp, case):
         for fl in ["mpi", "nccl"]:
             with open(man[fl]) as f:
                 check_mode_manifest(cfg, json.load(f), fl, f"{case} {fl} {optim}")
+            if args.plan:  # the project's strict parser and planner accept it
+                run([args.plan, man[fl], "--world-size", str(cfg.s)], man[fl] + ".plan.log")
         with open(man["mpi"]) as f:
             seq_mpi = json.load(f)["sequence"]
         with open(man["nccl"]) as f:
@@ -885,6 +888,7 @@ def main():
     ap.add_argument("--mpirun", required=True)
     ap.add_argument("--mpi-exe", required=True)
     ap.add_argument("--nccl-exe", default="")
+    ap.add_argument("--plan", default="", help="mfsdp-plan: mode also checks its manifests")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fsdp_train_check.") as tmp:
         if args.mode == "flavours":
