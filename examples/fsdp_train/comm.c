@@ -21,13 +21,18 @@
 #include <cuda_runtime.h>
 #endif
 
+#define NSCOPES 3
+
 struct ft_comm {
     int local;
-    int rank;
-    int size;
+    int rank[NSCOPES];
+    int size[NSCOPES];
+    int mesh; /* the shard and replicate communicators were split off the world */
 #if FSDP_TRAIN_NCCL
-    ncclComm_t nccl;
-    cudaStream_t stream; /* NULL on host (test library): every call completes on return */
+    ncclComm_t nccl[NSCOPES]; /* [FT_SHARD] is [FT_WORLD] without a mesh */
+    cudaStream_t stream;      /* NULL on host (test library): every call completes on return */
+#else
+    MPI_Comm mpi[NSCOPES];
 #endif
 #if FSDP_TRAIN_CUDA
     /* With the real NCCL the job's host tensors are staged through device buffers, so
@@ -113,18 +118,22 @@ int ft_comm_init(int *argc, char ***argv, int local, ft_comm_t **comm_p)
         return -1;
     }
     comm->local = local;
-    comm->size = 1;
+    for (int s = 0; s < NSCOPES; s++)
+        comm->size[s] = 1;
     if (local) {
         *comm_p = comm;
         return 0;
     }
     if (mpi_ok(MPI_Init(argc, argv), "MPI_Init") != 0)
         goto err_free;
-    MPI_Comm_rank(MPI_COMM_WORLD, &comm->rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &comm->size);
+    int rank, size;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    comm->rank[FT_WORLD] = comm->rank[FT_SHARD] = rank;
+    comm->size[FT_WORLD] = comm->size[FT_SHARD] = size;
 #if FSDP_TRAIN_NCCL
     ncclUniqueId id;
-    if (comm->rank == 0 && nccl_ok(ncclGetUniqueId(&id), "ncclGetUniqueId") != 0)
+    if (rank == 0 && nccl_ok(ncclGetUniqueId(&id), "ncclGetUniqueId") != 0)
         goto err_abort;
     if (mpi_ok(MPI_Bcast(&id, (int)sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD), "MPI_Bcast") != 0)
         goto err_abort;
@@ -134,14 +143,17 @@ int ft_comm_init(int *argc, char ***argv, int local, ft_comm_t **comm_p)
         int ndev = 0;
         const char *lr = getenv("OMPI_COMM_WORLD_LOCAL_RANK");
         if (cuda_ok(cudaGetDeviceCount(&ndev), "cudaGetDeviceCount") != 0 || ndev < 1 ||
-            cuda_ok(cudaSetDevice((lr != NULL ? atoi(lr) : comm->rank) % ndev), "cudaSetDevice") !=
-                0 ||
+            cuda_ok(cudaSetDevice((lr != NULL ? atoi(lr) : rank) % ndev), "cudaSetDevice") != 0 ||
             cuda_ok(cudaStreamCreate(&comm->stream), "cudaStreamCreate") != 0)
             goto err_abort;
     }
 #endif
-    if (nccl_ok(ncclCommInitRank(&comm->nccl, comm->size, id, comm->rank), "ncclCommInitRank") != 0)
+    if (nccl_ok(ncclCommInitRank(&comm->nccl[FT_WORLD], size, id, rank), "ncclCommInitRank") != 0)
         goto err_abort;
+    comm->nccl[FT_SHARD] = comm->nccl[FT_WORLD];
+#else
+    comm->mpi[FT_WORLD] = comm->mpi[FT_SHARD] = MPI_COMM_WORLD;
+    comm->mpi[FT_REPLICATE] = MPI_COMM_SELF;
 #endif
     *comm_p = comm;
     return 0;
@@ -154,12 +166,52 @@ err_free:
     return -1;
 }
 
+int ft_comm_mesh(ft_comm_t *comm, int replicate)
+{
+    if (comm->local)
+        return 0;
+    int size = comm->size[FT_WORLD], rank = comm->rank[FT_WORLD];
+    if (replicate < 1 || size % replicate != 0 || comm->mesh) {
+        fprintf(stderr, "fsdp_train: cannot build a mesh of %d replicas over %d ranks\n", replicate,
+                size);
+        return -1;
+    }
+    int shard = size / replicate;
+    /* torch's DeviceMesh(arange(n).view(R, n/R)): rows are shard groups, columns replicate
+     * groups; the key keeps the world order inside each. */
+    int color[NSCOPES] = {0, rank / shard, rank % shard};
+#if FSDP_TRAIN_NCCL
+    for (int s = FT_SHARD; s <= FT_REPLICATE; s++)
+        if (nccl_ok(ncclCommSplit(comm->nccl[FT_WORLD], color[s], rank, &comm->nccl[s], NULL),
+                    "ncclCommSplit") != 0)
+            return -1;
+#else
+    for (int s = FT_SHARD; s <= FT_REPLICATE; s++)
+        if (mpi_ok(MPI_Comm_split(MPI_COMM_WORLD, color[s], rank, &comm->mpi[s]),
+                   "MPI_Comm_split") != 0)
+            return -1;
+#endif
+    comm->mesh = 1;
+    comm->size[FT_SHARD] = shard;
+    comm->rank[FT_SHARD] = rank % shard;
+    comm->size[FT_REPLICATE] = replicate;
+    comm->rank[FT_REPLICATE] = rank / shard;
+    return 0;
+}
+
 int ft_comm_finalize(ft_comm_t *comm)
 {
     int rc = 0;
     if (!comm->local) {
 #if FSDP_TRAIN_NCCL
-        rc |= nccl_ok(ncclCommDestroy(comm->nccl), "ncclCommDestroy");
+        if (comm->mesh)
+            for (int s = FT_SHARD; s <= FT_REPLICATE; s++)
+                rc |= nccl_ok(ncclCommDestroy(comm->nccl[s]), "ncclCommDestroy");
+        rc |= nccl_ok(ncclCommDestroy(comm->nccl[FT_WORLD]), "ncclCommDestroy");
+#else
+        if (comm->mesh)
+            for (int s = FT_SHARD; s <= FT_REPLICATE; s++)
+                rc |= mpi_ok(MPI_Comm_free(&comm->mpi[s]), "MPI_Comm_free");
 #endif
 #if FSDP_TRAIN_CUDA
         for (int i = 0; i < 2; i++)
@@ -180,38 +232,42 @@ void ft_comm_abort(ft_comm_t *comm, int code)
     exit(code);
 }
 
-int ft_comm_rank(const ft_comm_t *comm)
+int ft_comm_rank(const ft_comm_t *comm, ft_scope_t scope)
 {
-    return comm->rank;
+    return comm->rank[scope];
 }
 
-int ft_comm_size(const ft_comm_t *comm)
+int ft_comm_size(const ft_comm_t *comm, ft_scope_t scope)
 {
-    return comm->size;
+    return comm->size[scope];
 }
 
 int ft_comm_allgather_inplace(ft_comm_t *comm, float *recv, size_t count)
 {
     if (comm->local)
         return 0; /* the one block is already in place */
+    int rank = comm->rank[FT_SHARD], size = comm->size[FT_SHARD];
 #if FSDP_TRAIN_NCCL && FSDP_TRAIN_CUDA
-    size_t bytes = count * sizeof(float), off = (size_t)comm->rank * bytes;
-    char *d = dev_buf(comm, 0, bytes * (size_t)comm->size);
+    size_t bytes = count * sizeof(float), off = (size_t)rank * bytes;
+    char *d = dev_buf(comm, 0, bytes * (size_t)size);
     if (d == NULL || stage(d + off, (char *)recv + off, bytes, cudaMemcpyHostToDevice, comm))
         return -1;
-    if (nccl_ok(ncclAllGather(d + off, d, count, ncclFloat32, comm->nccl, comm->stream),
+    if (nccl_ok(ncclAllGather(d + off, d, count, ncclFloat32, comm->nccl[FT_SHARD], comm->stream),
                 "ncclAllGather") != 0)
         return -1;
-    return stage(recv, d, bytes * (size_t)comm->size, cudaMemcpyDeviceToHost, comm);
+    return stage(recv, d, bytes * (size_t)size, cudaMemcpyDeviceToHost, comm);
 #elif FSDP_TRAIN_NCCL
-    return nccl_ok(ncclAllGather(recv + (size_t)comm->rank * count, recv, count, ncclFloat32,
-                                 comm->nccl, comm->stream),
+    (void)size;
+    return nccl_ok(ncclAllGather(recv + (size_t)rank * count, recv, count, ncclFloat32,
+                                 comm->nccl[FT_SHARD], comm->stream),
                    "ncclAllGather");
 #else
+    (void)rank;
+    (void)size;
     if (count_ok(count, 1, "MPI_Allgather") != 0)
         return -1;
     return mpi_ok(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, (int)count, MPI_FLOAT,
-                                MPI_COMM_WORLD),
+                                comm->mpi[FT_SHARD]),
                   "MPI_Allgather");
 #endif
 }
@@ -224,29 +280,42 @@ int ft_comm_allgather(ft_comm_t *comm, const float *send, float *recv, size_t co
     }
 #if FSDP_TRAIN_NCCL && FSDP_TRAIN_CUDA
     size_t bytes = count * sizeof(float);
-    char *ds = dev_buf(comm, 1, bytes), *dr = dev_buf(comm, 0, bytes * (size_t)comm->size);
+    size_t total = bytes * (size_t)comm->size[FT_SHARD];
+    char *ds = dev_buf(comm, 1, bytes), *dr = dev_buf(comm, 0, total);
     if (ds == NULL || dr == NULL || stage(ds, send, bytes, cudaMemcpyHostToDevice, comm))
         return -1;
-    if (nccl_ok(ncclAllGather(ds, dr, count, ncclFloat32, comm->nccl, comm->stream),
+    if (nccl_ok(ncclAllGather(ds, dr, count, ncclFloat32, comm->nccl[FT_SHARD], comm->stream),
                 "ncclAllGather") != 0)
         return -1;
-    return stage(recv, dr, bytes * (size_t)comm->size, cudaMemcpyDeviceToHost, comm);
+    return stage(recv, dr, total, cudaMemcpyDeviceToHost, comm);
 #elif FSDP_TRAIN_NCCL
-    return nccl_ok(ncclAllGather(send, recv, count, ncclFloat32, comm->nccl, comm->stream),
-                   "ncclAllGather");
+    return nccl_ok(
+        ncclAllGather(send, recv, count, ncclFloat32, comm->nccl[FT_SHARD], comm->stream),
+        "ncclAllGather");
 #else
     if (count_ok(count, 1, "MPI_Allgather") != 0)
         return -1;
-    return mpi_ok(
-        MPI_Allgather(send, (int)count, MPI_FLOAT, recv, (int)count, MPI_FLOAT, MPI_COMM_WORLD),
-        "MPI_Allgather");
+    return mpi_ok(MPI_Allgather(send, (int)count, MPI_FLOAT, recv, (int)count, MPI_FLOAT,
+                                comm->mpi[FT_SHARD]),
+                  "MPI_Allgather");
 #endif
 }
 
-int ft_comm_reduce_scatter(ft_comm_t *comm, float *send, float *recv, size_t count, float premul)
+#if !FSDP_TRAIN_NCCL
+/* MPI has no average: sum, then divide by the communicator size (FSDP2's sum-then-divide). */
+static void divide_by(float *buf, size_t count, int size)
+{
+    if (size > 1)
+        for (size_t i = 0; i < count; i++)
+            buf[i] = buf[i] / (float)size;
+}
+#endif
+
+int ft_comm_reduce_scatter(ft_comm_t *comm, float *send, float *recv, size_t count, ft_op_t op,
+                           float premul)
 {
     if (comm->local) {
-        if (premul != 0.0f)
+        if (op == FT_OP_PREMUL_SUM)
             for (size_t i = 0; i < count; i++)
                 recv[i] = send[i] * premul;
         else
@@ -254,68 +323,85 @@ int ft_comm_reduce_scatter(ft_comm_t *comm, float *send, float *recv, size_t cou
         return 0;
     }
 #if FSDP_TRAIN_NCCL
-    /* FSDP2 reduces with AVG (SUM when the data-parallel size is 1), or with a PreMulSum op
-     * that ProcessGroupNCCL creates right before the call and destroys right after. */
-    ncclRedOp_t op = comm->size == 1 ? ncclSum : ncclAvg;
-    if (premul != 0.0f && nccl_ok(ncclRedOpCreatePreMulSum(&op, &premul, ncclFloat32,
-                                                           ncclScalarHostImmediate, comm->nccl),
-                                  "ncclRedOpCreatePreMulSum") != 0)
+    /* A PreMulSum op is created right before the call and destroyed right after, as
+     * ProcessGroupNCCL does. */
+    ncclRedOp_t nop = op == FT_OP_AVG ? ncclAvg : ncclSum;
+    ncclComm_t nc = comm->nccl[FT_SHARD];
+    if (op == FT_OP_PREMUL_SUM &&
+        nccl_ok(ncclRedOpCreatePreMulSum(&nop, &premul, ncclFloat32, ncclScalarHostImmediate, nc),
+                "ncclRedOpCreatePreMulSum") != 0)
         return -1;
     int rc;
 #if FSDP_TRAIN_CUDA
-    size_t bytes = count * sizeof(float);
-    char *ds = dev_buf(comm, 0, bytes * (size_t)comm->size), *dr = dev_buf(comm, 1, bytes);
-    rc = ds == NULL || dr == NULL ||
-         stage(ds, send, bytes * (size_t)comm->size, cudaMemcpyHostToDevice, comm) != 0;
+    size_t bytes = count * sizeof(float), total = bytes * (size_t)comm->size[FT_SHARD];
+    char *ds = dev_buf(comm, 0, total), *dr = dev_buf(comm, 1, bytes);
+    rc = ds == NULL || dr == NULL || stage(ds, send, total, cudaMemcpyHostToDevice, comm) != 0;
     if (rc == 0)
-        rc = nccl_ok(ncclReduceScatter(ds, dr, count, ncclFloat32, op, comm->nccl, comm->stream),
+        rc = nccl_ok(ncclReduceScatter(ds, dr, count, ncclFloat32, nop, nc, comm->stream),
                      "ncclReduceScatter");
     if (rc == 0)
         rc = stage(recv, dr, bytes, cudaMemcpyDeviceToHost, comm);
 #else
-    rc = nccl_ok(ncclReduceScatter(send, recv, count, ncclFloat32, op, comm->nccl, comm->stream),
+    rc = nccl_ok(ncclReduceScatter(send, recv, count, ncclFloat32, nop, nc, comm->stream),
                  "ncclReduceScatter");
 #endif
-    if (premul != 0.0f)
-        rc |= nccl_ok(ncclRedOpDestroy(op, comm->nccl), "ncclRedOpDestroy");
+    if (op == FT_OP_PREMUL_SUM)
+        rc |= nccl_ok(ncclRedOpDestroy(nop, nc), "ncclRedOpDestroy");
     return rc == 0 ? 0 : -1;
 #else
-    if (count_ok(count, (size_t)comm->size, "MPI_Reduce_scatter_block") != 0)
+    int size = comm->size[FT_SHARD];
+    if (count_ok(count, (size_t)size, "MPI_Reduce_scatter_block") != 0)
         return -1;
-    if (premul != 0.0f) /* MPI has no PreMulSum: scale the contribution, then sum */
-        for (size_t i = 0; i < count * (size_t)comm->size; i++)
+    if (op == FT_OP_PREMUL_SUM) /* MPI has no PreMulSum: scale the contribution, then sum */
+        for (size_t i = 0; i < count * (size_t)size; i++)
             send[i] *= premul;
-    if (mpi_ok(MPI_Reduce_scatter_block(send, recv, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD),
+    if (mpi_ok(MPI_Reduce_scatter_block(send, recv, (int)count, MPI_FLOAT, MPI_SUM,
+                                        comm->mpi[FT_SHARD]),
                "MPI_Reduce_scatter_block") != 0)
         return -1;
-    if (premul == 0.0f && comm->size > 1)
-        for (size_t i = 0; i < count; i++)
-            recv[i] = recv[i] / (float)comm->size;
+    if (op == FT_OP_AVG)
+        divide_by(recv, count, size);
     return 0;
 #endif
 }
 
-int ft_comm_allreduce_sum(ft_comm_t *comm, float *buf, size_t count)
+int ft_comm_allreduce(ft_comm_t *comm, ft_scope_t scope, float *buf, size_t count, ft_op_t op)
 {
     if (comm->local)
         return 0;
-#if FSDP_TRAIN_NCCL && FSDP_TRAIN_CUDA
+    if (op == FT_OP_PREMUL_SUM) {
+        fprintf(stderr, "fsdp_train: all-reduce with a PreMulSum op is not used by FSDP2\n");
+        return -1;
+    }
+#if FSDP_TRAIN_NCCL
+    ncclComm_t nc = comm->nccl[scope];
+    if (nc == NULL) {
+        fprintf(stderr, "fsdp_train: all-reduce on a replicate group without an HSDP mesh\n");
+        return -1;
+    }
+    ncclRedOp_t nop = op == FT_OP_AVG ? ncclAvg : ncclSum;
+#if FSDP_TRAIN_CUDA
     size_t bytes = count * sizeof(float);
     void *d = dev_buf(comm, 1, bytes);
     if (d == NULL || stage(d, buf, bytes, cudaMemcpyHostToDevice, comm) != 0)
         return -1;
-    if (nccl_ok(ncclAllReduce(d, d, count, ncclFloat32, ncclSum, comm->nccl, comm->stream),
-                "ncclAllReduce") != 0)
+    if (nccl_ok(ncclAllReduce(d, d, count, ncclFloat32, nop, nc, comm->stream), "ncclAllReduce") !=
+        0)
         return -1;
     return stage(buf, d, bytes, cudaMemcpyDeviceToHost, comm);
-#elif FSDP_TRAIN_NCCL
-    return nccl_ok(ncclAllReduce(buf, buf, count, ncclFloat32, ncclSum, comm->nccl, comm->stream),
+#else
+    return nccl_ok(ncclAllReduce(buf, buf, count, ncclFloat32, nop, nc, comm->stream),
                    "ncclAllReduce");
+#endif
 #else
     if (count_ok(count, 1, "MPI_Allreduce") != 0)
         return -1;
-    return mpi_ok(MPI_Allreduce(MPI_IN_PLACE, buf, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD),
-                  "MPI_Allreduce");
+    if (mpi_ok(MPI_Allreduce(MPI_IN_PLACE, buf, (int)count, MPI_FLOAT, MPI_SUM, comm->mpi[scope]),
+               "MPI_Allreduce") != 0)
+        return -1;
+    if (op == FT_OP_AVG)
+        divide_by(buf, count, comm->size[scope]);
+    return 0;
 #endif
 }
 
