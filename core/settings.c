@@ -223,6 +223,30 @@ mfsdp_status_t mfsdp_divide_resolve(mfsdp_divide_rule_t rule, double factor, mfs
     return MFSDP_OK;
 }
 
+void mfsdp_divide_fold(int world, double post, mfsdp_redop_t *op, double *scalar)
+{
+    if (post == 1.0) {
+        return;
+    }
+    switch (*op) {
+    case MFSDP_OP_SUM:
+        if (post == (double)world) {
+            *op = MFSDP_OP_AVG;
+        } else {
+            *op = MFSDP_OP_PREMULSUM;
+            *scalar = 1.0 / post;
+        }
+        break;
+    case MFSDP_OP_AVG:
+        *op = MFSDP_OP_PREMULSUM;
+        *scalar = 1.0 / ((double)world * post);
+        break;
+    case MFSDP_OP_PREMULSUM:
+        *scalar /= post;
+        break;
+    }
+}
+
 /* ---- resolution ---------------------------------------------------------------------- */
 
 mfsdp_status_t mfsdp_settings_resolve(const mfsdp_manifest_t *m, const mfsdp_config_t *cfg,

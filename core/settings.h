@@ -63,6 +63,10 @@ mfsdp_status_t mfsdp_divide_resolve(mfsdp_divide_rule_t rule, double factor, mfs
                                     mfsdp_redop_t *op_p, double *scalar_p, double *post_p,
                                     char *err, size_t errlen);
 
+/* Fold a post-divide into the op the owners apply over a reduce of world ranks: sum/post (avg
+ * when post == world, else premulsum 1/post), avg/post, premulsum scalar/post. */
+void mfsdp_divide_fold(int world, double post, mfsdp_redop_t *op, double *scalar);
+
 /* One entry of a settings fingerprint: what every rank must agree on. */
 #define MFSDP_FP_VALUE_LEN 40
 typedef struct mfsdp_fp_item {

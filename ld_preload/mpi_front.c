@@ -1,9 +1,13 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * MPI front-end of the shim: MPI_Allgather, MPI_Reduce_scatter_block and MPI_Reduce_scatter
- * (equal counts) over PMPI; MPI_Comm_free and MPI_Finalize to flush and forget state. This is the one file that converts
- * mfsdp statuses into MPI error codes: a failed remap calls the communicator's error
- * handler (MPI_ERRORS_ARE_FATAL by default, so the job stops with a non-zero exit).
+ * MPI front-end of the shim: MPI_Allgather, MPI_Reduce_scatter_block, MPI_Reduce_scatter
+ * (equal counts) and MPI_Allreduce (HSDP's replicate all-reduce) over PMPI; MPI_Comm_free and
+ * MPI_Finalize to flush and forget state. This is the one file that converts mfsdp statuses
+ * into MPI error codes: a refused call calls the communicator's error handler
+ * (MPI_ERRORS_ARE_FATAL by default, so the job stops with a non-zero exit on every rank).
+ *
+ * Only calls whose datatype FSDP can use (float; bytes for mixed-dtype groups) reach the
+ * identification: an all-gather of integers cannot be an FSDP collective and passes through.
  */
 #include <mpi.h>
 #include <stdlib.h>
@@ -28,14 +32,21 @@ static int mpi_dtype(MPI_Datatype t, mfsdp_dtype_t *dt)
 
 static int mpi_error(MPI_Comm comm, mfsdp_status_t st)
 {
-    int code = st == MFSDP_ERR_NO_MEMORY ? MPI_ERR_NO_MEM
+    int code = st == MFSDP_ERR_NO_MEMORY     ? MPI_ERR_NO_MEM
                : st == MFSDP_ERR_INVALID_ARG ? MPI_ERR_ARG
                                              : MPI_ERR_OTHER;
     MPI_Comm_call_errhandler(comm, code);
     return code;
 }
 
-/* The shim's state for comm, registered on first sight (a pure function of its size). */
+static int usable(MPI_Comm comm)
+{
+    int inter = 0;
+    return !shim_inside && comm != MPI_COMM_NULL &&
+           PMPI_Comm_test_inter(comm, &inter) == MPI_SUCCESS && !inter;
+}
+
+/* The shim's state for comm, registered on first sight. */
 static shim_comm_t *comm_state(MPI_Comm comm)
 {
     shim_comm_t *c = shim_comm_find(SHIM_MPI, comm);
@@ -52,57 +63,82 @@ SHIM_EXPORT int MPI_Allgather(const void *sendbuf, int sendcount, MPI_Datatype s
                               void *recvbuf, int recvcount, MPI_Datatype recvtype, MPI_Comm comm)
 {
     mfsdp_dtype_t dt;
-    int inter = 0;
-    if (shim_inside || comm == MPI_COMM_NULL || !mpi_dtype(recvtype, &dt) || recvcount <= 0 ||
-        (sendbuf != MPI_IN_PLACE && (sendtype != recvtype || sendcount != recvcount)) ||
-        PMPI_Comm_test_inter(comm, &inter) != MPI_SUCCESS || inter) {
+    if (!usable(comm) || !mpi_dtype(recvtype, &dt) || recvcount <= 0 ||
+        (sendbuf != MPI_IN_PLACE && (sendtype != recvtype || sendcount != recvcount))) {
         return PMPI_Allgather(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm);
     }
     shim_comm_t *c = comm_state(comm);
+    if (c == NULL) {
+        return mpi_error(comm, MFSDP_ERR_NO_MEMORY);
+    }
     const void *send = sendbuf;
-    if (sendbuf == MPI_IN_PLACE && c != NULL) {
+    if (sendbuf == MPI_IN_PLACE) {
         send = (const char *)recvbuf + (size_t)c->rank * (size_t)recvcount * mfsdp_dtype_size(dt);
     }
-    shim_call_t call = {.sig = {MFSDP_CALL_ALLGATHER, (size_t)recvcount, dt},
+    shim_call_t call = {.kind = SHIM_ALLGATHER,
+                        .count = (size_t)recvcount,
+                        .dtype_known = 1,
+                        .dtype = dt,
                         .send = send,
                         .recv = recvbuf,
                         .op_name = "none",
                         .op_supported = 1};
     mfsdp_status_t st = MFSDP_OK;
     switch (shim_dispatch(c, &call, &st)) {
-    case SHIM_DONE: return MPI_SUCCESS;
-    case SHIM_ERROR: return mpi_error(comm, st);
-    case SHIM_PASS: break;
+    case SHIM_DONE:
+        return MPI_SUCCESS;
+    case SHIM_ERROR:
+        return mpi_error(comm, st);
+    case SHIM_PASS:
+        break;
     }
     return PMPI_Allgather(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm);
 }
 
-/* MPI ops mfsdp can apply on owners: only MPI_SUM (avg is a post-divide by the job, see
- * MFSDP_GRAD_DIVIDE). */
-static int reduce_common(const void *sendbuf, void *recvbuf, int recvcount,
-                         MPI_Datatype datatype, MPI_Op op, MPI_Comm comm, int *handled)
+/* MPI ops mfsdp can apply on owners: only MPI_SUM (an average is the job's post-divide, which
+ * the manifest's training.grad_divide declares). */
+static shim_call_t reduce_call(shim_kind_t kind, const void *sendbuf, void *recvbuf, size_t count,
+                               mfsdp_dtype_t dt, MPI_Op op)
 {
-    mfsdp_dtype_t dt;
-    int inter = 0;
-    *handled = 0;
-    if (shim_inside || comm == MPI_COMM_NULL || sendbuf == MPI_IN_PLACE ||
-        !mpi_dtype(datatype, &dt) || dt == MFSDP_UINT8 || recvcount <= 0 ||
-        PMPI_Comm_test_inter(comm, &inter) != MPI_SUCCESS || inter) {
-        return MPI_SUCCESS;
-    }
-    shim_comm_t *c = comm_state(comm);
-    shim_call_t call = {.sig = {MFSDP_CALL_REDUCE_SCATTER, (size_t)recvcount, dt},
+    shim_call_t call = {.kind = kind,
+                        .count = count,
+                        .dtype_known = 1,
+                        .dtype = dt,
                         .send = sendbuf,
                         .recv = recvbuf,
                         .op = MFSDP_OP_SUM,
                         .scalar = 1.0,
                         .op_name = op == MPI_SUM ? "sum" : "other",
                         .op_supported = op == MPI_SUM};
+    return call;
+}
+
+static int reduce_common(const void *sendbuf, void *recvbuf, int recvcount, MPI_Datatype datatype,
+                         MPI_Op op, MPI_Comm comm, int *handled)
+{
+    mfsdp_dtype_t dt;
+    *handled = 0;
+    if (!usable(comm) || sendbuf == MPI_IN_PLACE || !mpi_dtype(datatype, &dt) ||
+        dt == MFSDP_UINT8 || recvcount <= 0) {
+        return MPI_SUCCESS;
+    }
+    shim_comm_t *c = comm_state(comm);
+    if (c == NULL) {
+        *handled = 1;
+        return mpi_error(comm, MFSDP_ERR_NO_MEMORY);
+    }
+    shim_call_t call =
+        reduce_call(SHIM_REDUCE_SCATTER, sendbuf, recvbuf, (size_t)recvcount, dt, op);
     mfsdp_status_t st = MFSDP_OK;
     switch (shim_dispatch(c, &call, &st)) {
-    case SHIM_DONE: *handled = 1; return MPI_SUCCESS;
-    case SHIM_ERROR: *handled = 1; return mpi_error(comm, st);
-    case SHIM_PASS: break;
+    case SHIM_DONE:
+        *handled = 1;
+        return MPI_SUCCESS;
+    case SHIM_ERROR:
+        *handled = 1;
+        return mpi_error(comm, st);
+    case SHIM_PASS:
+        break;
     }
     return MPI_SUCCESS;
 }
@@ -121,9 +157,8 @@ SHIM_EXPORT int MPI_Reduce_scatter_block(const void *sendbuf, void *recvbuf, int
 SHIM_EXPORT int MPI_Reduce_scatter(const void *sendbuf, void *recvbuf, const int recvcounts[],
                                    MPI_Datatype datatype, MPI_Op op, MPI_Comm comm)
 {
-    int size = 0, rank = 0, handled = 0, rc = MPI_SUCCESS;
-    if (!shim_inside && comm != MPI_COMM_NULL && recvcounts != NULL &&
-        PMPI_Comm_size(comm, &size) == MPI_SUCCESS && PMPI_Comm_rank(comm, &rank) == MPI_SUCCESS) {
+    int size = 0, handled = 0, rc = MPI_SUCCESS;
+    if (usable(comm) && recvcounts != NULL && PMPI_Comm_size(comm, &size) == MPI_SUCCESS) {
         int equal = 1;
         for (int r = 1; r < size; r++) {
             equal &= recvcounts[r] == recvcounts[0];
@@ -138,6 +173,33 @@ SHIM_EXPORT int MPI_Reduce_scatter(const void *sendbuf, void *recvbuf, const int
     return PMPI_Reduce_scatter(sendbuf, recvbuf, recvcounts, datatype, op, comm);
 }
 
+/* HSDP: the all-reduce of a reduce-scatter's output over the replicate group. Anything else
+ * (the loss, norms) passes through; shim_allreduce() decides from rank-identical state. */
+SHIM_EXPORT int MPI_Allreduce(const void *sendbuf, void *recvbuf, int count, MPI_Datatype datatype,
+                              MPI_Op op, MPI_Comm comm)
+{
+    mfsdp_dtype_t dt;
+    if (!usable(comm) || !mpi_dtype(datatype, &dt) || dt == MFSDP_UINT8 || count <= 0) {
+        return PMPI_Allreduce(sendbuf, recvbuf, count, datatype, op, comm);
+    }
+    shim_comm_t *c = comm_state(comm);
+    if (c == NULL) {
+        return mpi_error(comm, MFSDP_ERR_NO_MEMORY);
+    }
+    shim_call_t call = reduce_call(SHIM_ALLREDUCE, sendbuf == MPI_IN_PLACE ? recvbuf : sendbuf,
+                                   recvbuf, (size_t)count, dt, op);
+    mfsdp_status_t st = MFSDP_OK;
+    switch (shim_allreduce(c, &call, &st)) {
+    case SHIM_DONE:
+        return MPI_SUCCESS;
+    case SHIM_ERROR:
+        return mpi_error(comm, st);
+    case SHIM_PASS:
+        break;
+    }
+    return PMPI_Allreduce(sendbuf, recvbuf, count, datatype, op, comm);
+}
+
 /* A freed handle may be reused by the next communicator: forget (and flush) its state. */
 SHIM_EXPORT int MPI_Comm_free(MPI_Comm *comm)
 {
@@ -149,6 +211,12 @@ SHIM_EXPORT int MPI_Comm_free(MPI_Comm *comm)
 
 SHIM_EXPORT int MPI_Finalize(void)
 {
-    shim_finalize_all();
-    return PMPI_Finalize();
+    int fail = shim_finalize_all();
+    int rc = PMPI_Finalize();
+    if (fail) {
+        /* The error was printed: a job whose remap failed or trained nothing under its
+         * manifest must not exit 0. */
+        exit(3);
+    }
+    return rc;
 }

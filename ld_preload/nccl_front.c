@@ -27,8 +27,8 @@
 
 typedef ncclResult_t (*ag_fn)(const void *, void *, size_t, ncclDataType_t, ncclComm_t,
                               cudaStream_t);
-typedef ncclResult_t (*rs_fn)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t,
-                              ncclComm_t, cudaStream_t);
+typedef ncclResult_t (*rs_fn)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t,
+                              cudaStream_t);
 typedef ncclResult_t (*init_fn)(ncclComm_t *, int, ncclUniqueId, int);
 typedef ncclResult_t (*initcfg_fn)(ncclComm_t *, int, ncclUniqueId, int, ncclConfig_t *);
 typedef ncclResult_t (*split_fn)(ncclComm_t, int, int, ncclComm_t *, ncclConfig_t *);
@@ -37,6 +37,8 @@ typedef ncclResult_t (*count_fn)(const ncclComm_t, int *);
 typedef ncclResult_t (*premul_fn)(ncclRedOp_t *, void *, ncclDataType_t, ncclScalarResidence_t,
                                   ncclComm_t);
 typedef ncclResult_t (*opdestroy_fn)(ncclRedOp_t, ncclComm_t);
+typedef ncclResult_t (*ar_fn)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t,
+                              cudaStream_t);
 
 static struct {
     ag_fn allgather;
@@ -50,6 +52,7 @@ static struct {
     count_fn user_rank;
     premul_fn premul;
     opdestroy_fn op_destroy;
+    ar_fn allreduce;
     int host_memory; /* the real library is the host-memory NCCL-over-MPI test library */
 } real;
 
@@ -81,6 +84,7 @@ static void resolve_all(void)
     real.user_rank = (count_fn)resolve("pncclCommUserRank", "ncclCommUserRank");
     real.premul = (premul_fn)resolve("pncclRedOpCreatePreMulSum", "ncclRedOpCreatePreMulSum");
     real.op_destroy = (opdestroy_fn)resolve("pncclRedOpDestroy", "ncclRedOpDestroy");
+    real.allreduce = (ar_fn)resolve("pncclAllReduce", "ncclAllReduce");
     real.host_memory = dlsym(RTLD_DEFAULT, "mfsdp_fake_nccl_host_memory") != NULL;
 }
 
@@ -94,7 +98,7 @@ static struct {
     int used;
     ncclComm_t comm;
     ncclRedOp_t op;
-    int known;     /* host scalar read successfully */
+    int known; /* host scalar read successfully */
     double scalar;
 } premul[MAX_PREMUL];
 
@@ -113,22 +117,43 @@ static int premul_lookup(ncclComm_t comm, ncclRedOp_t op, double *scalar)
     return found;
 }
 
+/* A destroyed communicator's PreMulSum ops die with it (NCCL destroys them too); its handle
+ * may be reused by the next communicator. */
+static void premul_purge(ncclComm_t comm)
+{
+    pthread_mutex_lock(&premul_lock);
+    for (int i = 0; i < MAX_PREMUL; i++) {
+        if (premul[i].used && premul[i].comm == comm) {
+            premul[i].used = 0;
+        }
+    }
+    pthread_mutex_unlock(&premul_lock);
+}
+
 static int nccl_dtype(ncclDataType_t t, mfsdp_dtype_t *dt)
 {
     switch (t) {
-    case ncclFloat32: *dt = MFSDP_FLOAT32; return 1;
-    case ncclBfloat16: *dt = MFSDP_BFLOAT16; return 1;
-    case ncclFloat16: *dt = MFSDP_FLOAT16; return 1;
+    case ncclFloat32:
+        *dt = MFSDP_FLOAT32;
+        return 1;
+    case ncclBfloat16:
+        *dt = MFSDP_BFLOAT16;
+        return 1;
+    case ncclFloat16:
+        *dt = MFSDP_FLOAT16;
+        return 1;
     case ncclUint8:
-    case ncclInt8: *dt = MFSDP_UINT8; return 1;
-    default: return 0;
+    case ncclInt8:
+        *dt = MFSDP_UINT8;
+        return 1;
+    default:
+        return 0;
     }
 }
 
 SHIM_EXPORT ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t *op, void *scalar,
                                                   ncclDataType_t datatype,
-                                                  ncclScalarResidence_t residence,
-                                                  ncclComm_t comm)
+                                                  ncclScalarResidence_t residence, ncclComm_t comm)
 {
     premul_fn f = REAL(premul);
     if (f == NULL) {
@@ -143,11 +168,21 @@ SHIM_EXPORT ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t *op, void *scalar,
     if (residence == ncclScalarHostImmediate && scalar != NULL) {
         known = 1;
         switch (datatype) {
-        case ncclFloat32: s = *(const float *)scalar; break;
-        case ncclFloat64: s = *(const double *)scalar; break;
-        case ncclBfloat16: s = mfsdp_bf16_to_f32(*(const uint16_t *)scalar); break;
-        case ncclFloat16: s = mfsdp_f16_to_f32(*(const uint16_t *)scalar); break;
-        default: known = 0; break;
+        case ncclFloat32:
+            s = *(const float *)scalar;
+            break;
+        case ncclFloat64:
+            s = *(const double *)scalar;
+            break;
+        case ncclBfloat16:
+            s = mfsdp_bf16_to_f32(*(const uint16_t *)scalar);
+            break;
+        case ncclFloat16:
+            s = mfsdp_f16_to_f32(*(const uint16_t *)scalar);
+            break;
+        default:
+            known = 0;
+            break;
         }
     }
     pthread_mutex_lock(&premul_lock);
@@ -231,8 +266,7 @@ static void track(ncclComm_t comm, MPI_Comm parent, int color, int from_init)
     shim_comm_add(SHIM_NCCL, comm, mpi, 1, size, rank);
 }
 
-SHIM_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id,
-                                          int rank)
+SHIM_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank)
 {
     init_fn f = REAL(init_rank);
     if (f == NULL) {
@@ -277,13 +311,20 @@ SHIM_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, nccl
     return r;
 }
 
+static ncclResult_t nccl_error(mfsdp_status_t st);
+
+/* Flush and forget the comm's state first (pending steps are collective over it), then destroy
+ * it. A comm whose remap failed reports the failure here too, so that a job that ignored the
+ * collective's error code does not end cleanly. */
 static ncclResult_t release(ncclComm_t comm, destroy_fn f)
 {
     if (f == NULL) {
         return ncclSystemError;
     }
-    shim_comm_remove(shim_comm_find(SHIM_NCCL, comm)); /* flushes pending steps first */
-    return f(comm);
+    mfsdp_status_t st = shim_comm_remove(shim_comm_find(SHIM_NCCL, comm));
+    premul_purge(comm);
+    ncclResult_t r = f(comm);
+    return r == ncclSuccess && st != MFSDP_OK ? nccl_error(st) : r;
 }
 
 SHIM_EXPORT ncclResult_t ncclCommDestroy(ncclComm_t comm)
@@ -302,12 +343,39 @@ static ncclResult_t nccl_error(mfsdp_status_t st)
 {
     switch (st) {
     case MFSDP_ERR_INVALID_ARG:
-    case MFSDP_ERR_MISMATCH: return ncclInvalidArgument;
+    case MFSDP_ERR_MISMATCH:
+        return ncclInvalidArgument;
     case MFSDP_ERR_NO_MEMORY:
-    case MFSDP_ERR_IO: return ncclSystemError;
-    case MFSDP_ERR_TRANSPORT: return ncclRemoteError;
-    case MFSDP_ERR_INTERNAL: return ncclInternalError;
-    default: return ncclInvalidUsage;
+    case MFSDP_ERR_IO:
+        return ncclSystemError;
+    case MFSDP_ERR_TRANSPORT:
+        return ncclRemoteError;
+    case MFSDP_ERR_INTERNAL:
+        return ncclInternalError;
+    default:
+        return ncclInvalidUsage;
+    }
+}
+
+/* What the shim needs of an NCCL reduction op: sum, avg and host-scalar PreMulSum only. */
+static void nccl_op(ncclRedOp_t op, ncclComm_t comm, shim_call_t *call)
+{
+    call->scalar = 1.0;
+    call->op_supported = 1;
+    if (op == ncclSum) {
+        call->op = MFSDP_OP_SUM;
+        call->op_name = "sum";
+    } else if (op == ncclAvg) {
+        call->op = MFSDP_OP_AVG;
+        call->op_name = "avg";
+    } else if ((int)op >= (int)ncclNumOps) {
+        call->op = MFSDP_OP_PREMULSUM;
+        call->op_name = "premulsum";
+        int known = premul_lookup(comm, op, &call->scalar);
+        call->op_supported = known == 1; /* device-resident or unknown scalar: refuse */
+    } else {
+        call->op_name = op == ncclProd ? "prod" : op == ncclMax ? "max" : "min";
+        call->op_supported = 0;
     }
 }
 
@@ -319,63 +387,82 @@ SHIM_EXPORT ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, siz
     if (f == NULL) {
         return ncclSystemError;
     }
-    mfsdp_dtype_t dt;
     shim_comm_t *c = shim_inside ? NULL : shim_comm_find(SHIM_NCCL, comm);
-    if (c == NULL || !nccl_dtype(datatype, &dt) || sendcount == 0) {
+    if (c == NULL || sendcount == 0) {
         return f(sendbuff, recvbuff, sendcount, datatype, comm, stream);
     }
-    shim_call_t call = {.sig = {MFSDP_CALL_ALLGATHER, sendcount, dt},
+    shim_call_t call = {.kind = SHIM_ALLGATHER,
+                        .count = sendcount,
                         .send = sendbuff,
                         .recv = recvbuff,
                         .op_name = "none",
                         .op_supported = 1};
+    call.dtype_known = nccl_dtype(datatype, &call.dtype);
     mfsdp_status_t st = MFSDP_OK;
     switch (shim_dispatch(c, &call, &st)) {
-    case SHIM_DONE: return ncclSuccess;
-    case SHIM_ERROR: return nccl_error(st);
-    case SHIM_PASS: break;
+    case SHIM_DONE:
+        return ncclSuccess;
+    case SHIM_ERROR:
+        return nccl_error(st);
+    case SHIM_PASS:
+        break;
     }
     return f(sendbuff, recvbuff, sendcount, datatype, comm, stream);
 }
 
-SHIM_EXPORT ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff,
-                                           size_t recvcount, ncclDataType_t datatype,
-                                           ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream)
+SHIM_EXPORT ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
+                                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                                           cudaStream_t stream)
 {
     rs_fn f = REAL(reduce_scatter);
     if (f == NULL) {
         return ncclSystemError;
     }
-    mfsdp_dtype_t dt;
     shim_comm_t *c = shim_inside ? NULL : shim_comm_find(SHIM_NCCL, comm);
-    if (c == NULL || !nccl_dtype(datatype, &dt) || dt == MFSDP_UINT8 || recvcount == 0) {
+    if (c == NULL || recvcount == 0) {
         return f(sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
     }
-    shim_call_t call = {.sig = {MFSDP_CALL_REDUCE_SCATTER, recvcount, dt},
-                        .send = sendbuff,
-                        .recv = recvbuff,
-                        .scalar = 1.0,
-                        .op_supported = 1};
-    if (op == ncclSum) {
-        call.op = MFSDP_OP_SUM;
-        call.op_name = "sum";
-    } else if (op == ncclAvg) {
-        call.op = MFSDP_OP_AVG;
-        call.op_name = "avg";
-    } else if ((int)op >= (int)ncclNumOps) {
-        call.op = MFSDP_OP_PREMULSUM;
-        call.op_name = "premulsum";
-        int known = premul_lookup(comm, op, &call.scalar);
-        call.op_supported = known == 1; /* device-resident or unknown scalar: refuse */
-    } else {
-        call.op_name = op == ncclProd ? "prod" : op == ncclMax ? "max" : "min";
-        call.op_supported = 0;
-    }
+    shim_call_t call = {
+        .kind = SHIM_REDUCE_SCATTER, .count = recvcount, .send = sendbuff, .recv = recvbuff};
+    call.dtype_known = nccl_dtype(datatype, &call.dtype) && call.dtype != MFSDP_UINT8;
+    nccl_op(op, comm, &call);
     mfsdp_status_t st = MFSDP_OK;
     switch (shim_dispatch(c, &call, &st)) {
-    case SHIM_DONE: return ncclSuccess;
-    case SHIM_ERROR: return nccl_error(st);
-    case SHIM_PASS: break;
+    case SHIM_DONE:
+        return ncclSuccess;
+    case SHIM_ERROR:
+        return nccl_error(st);
+    case SHIM_PASS:
+        break;
     }
     return f(sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
+}
+
+/* HSDP: the all-reduce of a reduce-scatter's output over the replicate group (shim.c decides
+ * from rank-identical state; every other all-reduce passes through). */
+SHIM_EXPORT ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
+                                       ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                                       cudaStream_t stream)
+{
+    ar_fn f = REAL(allreduce);
+    if (f == NULL) {
+        return ncclSystemError;
+    }
+    shim_comm_t *c = shim_inside ? NULL : shim_comm_find(SHIM_NCCL, comm);
+    if (c == NULL || count == 0) {
+        return f(sendbuff, recvbuff, count, datatype, op, comm, stream);
+    }
+    shim_call_t call = {.kind = SHIM_ALLREDUCE, .count = count, .send = sendbuff, .recv = recvbuff};
+    call.dtype_known = nccl_dtype(datatype, &call.dtype) && call.dtype != MFSDP_UINT8;
+    nccl_op(op, comm, &call);
+    mfsdp_status_t st = MFSDP_OK;
+    switch (shim_allreduce(c, &call, &st)) {
+    case SHIM_DONE:
+        return ncclSuccess;
+    case SHIM_ERROR:
+        return nccl_error(st);
+    case SHIM_PASS:
+        break;
+    }
+    return f(sendbuff, recvbuff, count, datatype, op, comm, stream);
 }

@@ -1,8 +1,20 @@
 /* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The shim's core: configuration, the communicator registry, the rank agreement at a
+ * communicator's first call, and the decision for each intercepted call — remap it (tagged:
+ * the companion names it; sequence: the matcher identifies it), pass it through, or stop the
+ * job with one clear error. Rules (docs/manifest.md "Never silent"):
+ *  - a call on a managed communicator that matches nothing or is ambiguous stops the job;
+ *  - with a manifest, a job whose first iteration's worth of calls remaps nothing stops;
+ *  - a rank whose settings differ stops every rank with one message naming the variable;
+ *  - MFSDP_* variables without a manifest, an unknown MFSDP_* name, a bad value: stop;
+ *  - an HSDP all-reduce that the manifest does not declare stops the job.
+ */
 #include "ld_preload/shim.h"
 
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,52 +22,147 @@
 #include <unistd.h>
 
 #include "core/checks.h"
-#include "core/config.h"
+#include "core/log.h"
+#include "mfsdp/shim.h"
 
 __thread int shim_inside;
 
 static pthread_once_t shim_once = PTHREAD_ONCE_INIT;
 static mfsdp_status_t shim_status = MFSDP_OK;
+static char shim_err[1024];
 static const mfsdp_config_t *shim_cfg;
-static mfsdp_manifest_t *shim_manifest;
-static double shim_divide = 1.0; /* 0 means "the world size" */
+static mfsdp_manifest_t *shim_manifest; /* sequence mode (MFSDP_MANIFEST) */
+static mfsdp_settings_t shim_settings;
+static size_t shim_iter_calls; /* calls in one iteration of the manifest */
 static pthread_mutex_t comms_lock = PTHREAD_MUTEX_INITIALIZER;
 static shim_comm_t *comms;
-static mfsdp_record_t *shim_record_out; /* records of removed comms, written at exit */
+/* Process-wide, for the first-iteration rule and HSDP (under comms_lock). */
+static uint64_t calls_total, remapped_total;
+static shim_comm_t *pending_comm; /* the comm whose last reduce may await a replicate */
+
+/* Variables that mean nothing without a manifest would be silently ignored: an error. These
+ * may be set without one. */
+static const char *const no_manifest_ok[] = {
+    "MFSDP_DEBUG",  "MFSDP_DEBUG_SUBSYS", "MFSDP_DEBUG_FILE",   "MFSDP_MANIFEST",
+    "MFSDP_RECORD", "MFSDP_RECORD_MAX",   "MFSDP_TUNER_CONFIG", "MFSDP_THREADS",
+    "MFSDP_MLOCK",  "MFSDP_NUMA_BIND",    "MFSDP_REPORT",
+};
+
+static void init_error(mfsdp_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static void init_error(mfsdp_status_t st, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(shim_err, sizeof(shim_err), fmt, ap);
+    va_end(ap);
+    shim_status = st;
+}
+
+static void shim_atexit(void);
 
 static void shim_init_once(void)
 {
-    shim_status = mfsdp_config_get(&shim_cfg);
-    if (shim_status != MFSDP_OK) {
-        return; /* logged by the config parser; every remap is refused */
+    atexit(shim_atexit);
+    char msg[1024] = "";
+    mfsdp_log_capture_begin();
+    mfsdp_status_t st = mfsdp_config_get(&shim_cfg);
+    mfsdp_log_capture_end(msg, sizeof(msg));
+    if (st != MFSDP_OK) {
+        shim_cfg = NULL;
+        init_error(st, "%s", msg[0] ? msg : "bad MFSDP_* configuration");
+        return;
     }
-    const char *div = shim_cfg->grad_divide;
-    if (div != NULL && strcasecmp(div, "world") == 0) {
-        shim_divide = 0.0;
-    } else if (div != NULL && *div != '\0') {
-        char *end = NULL;
-        double d = strtod(div, &end);
-        if (end == div || *end != '\0' || !isfinite(d) || d <= 0) {
-            MFSDP_WARN("MFSDP_GRAD_DIVIDE=%s: expected 'world' or a positive number", div);
-            shim_status = MFSDP_ERR_CONFIG;
-            return;
-        }
-        shim_divide = d;
+    char name[128];
+    if (mfsdp_config_unknown(name, sizeof(name))) {
+        const char *near = mfsdp_config_closest(name);
+        init_error(MFSDP_ERR_CONFIG, "unknown variable %s%s%s%s (mfsdp-plan --env lists them)",
+                   name, near ? " (did you mean " : "", near ? near : "", near ? "?)" : "");
+        return;
     }
-    if (shim_cfg->record != NULL && shim_cfg->record[0] != '\0') {
+    if (shim_cfg->record_set && shim_cfg->manifest_set) {
+        init_error(MFSDP_ERR_CONFIG,
+                   "MFSDP_RECORD and MFSDP_MANIFEST are both set: recording passes every call "
+                   "through, so unset MFSDP_MANIFEST while recording");
+        return;
+    }
+    if (shim_cfg->record_set) {
         MFSDP_INFO(SHIM, "recording calls to %s (pass-through mode)", shim_cfg->record);
         return;
     }
-    if (shim_cfg->manifest == NULL || shim_cfg->manifest[0] == '\0') {
+    if (!shim_cfg->manifest_set) {
+        if (getenv("MFSDP_COMPANION") != NULL) {
+            return; /* tagged mode: the companion registers its manifest */
+        }
+        for (size_t i = 0; i < mfsdp_config_count(); i++) {
+            const char *vname;
+            char value[256];
+            if (mfsdp_config_value(shim_cfg, i, &vname, value, sizeof(value)) != MFSDP_OK ||
+                getenv(vname) == NULL || *getenv(vname) == '\0') {
+                continue;
+            }
+            int ok = 0;
+            for (size_t k = 0; k < sizeof(no_manifest_ok) / sizeof(no_manifest_ok[0]); k++) {
+                ok |= strcmp(vname, no_manifest_ok[k]) == 0;
+            }
+            if (!ok) {
+                init_error(MFSDP_ERR_CONFIG,
+                           "%s is set but MFSDP_MANIFEST is not: without a manifest every call "
+                           "passes through and nothing is trained by mfsdp (set MFSDP_MANIFEST, "
+                           "or run under mfsdp-run for PyTorch)",
+                           vname);
+                return;
+            }
+        }
         MFSDP_INFO(SHIM, "MFSDP_MANIFEST not set: every call passes through");
         return;
     }
     char err[1024];
-    shim_status = mfsdp_manifest_load(shim_cfg->manifest, err, sizeof(err), &shim_manifest);
-    if (shim_status != MFSDP_OK) {
-        MFSDP_WARN("%s", err);
+    st = mfsdp_manifest_load(shim_cfg->manifest, err, sizeof(err), &shim_manifest);
+    if (st != MFSDP_OK) {
         shim_manifest = NULL;
+        init_error(st, "%s", err);
+        return;
     }
+    st = mfsdp_settings_resolve(shim_manifest, shim_cfg, &shim_settings, err, sizeof(err));
+    if (st != MFSDP_OK) {
+        init_error(st, "%s", err);
+        return;
+    }
+    shim_iter_calls = shim_manifest->ncalls ? shim_manifest->ncalls : 2 * shim_manifest->ngroups;
+}
+
+static int finalized_once;
+
+/* A job that never calls MPI_Finalize (PyTorch under torchrun) still gets its summary and
+ * end-of-job checks, and its record. */
+static void shim_atexit(void)
+{
+    if (finalized_once) {
+        return;
+    }
+    int inited = 0, fin = 0, rank = 0;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&fin);
+    if (inited && !fin) {
+        PMPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    } else {
+        pthread_mutex_lock(&comms_lock);
+        for (shim_comm_t *c = comms; c != NULL; c = c->next) {
+            rank = c->rank; /* the oldest communicator's rank */
+        }
+        pthread_mutex_unlock(&comms_lock);
+    }
+    /* Live comms are not released here (that would be collective at exit); their counters
+     * join the summary. */
+    pthread_mutex_lock(&comms_lock);
+    for (shim_comm_t *c = comms; c != NULL; c = c->next) {
+        shim_report_keep(c);
+        shim_record_keep(c);
+    }
+    pthread_mutex_unlock(&comms_lock);
+    shim_record_write(rank);
+    shim_report_exit(rank);
 }
 
 mfsdp_status_t shim_init(void)
@@ -64,18 +171,22 @@ mfsdp_status_t shim_init(void)
     return shim_status;
 }
 
-int shim_recording(void)
+const mfsdp_config_t *shim_config(void)
 {
-    return shim_init() == MFSDP_OK && shim_cfg->record != NULL && shim_cfg->record[0] != '\0';
+    shim_init();
+    return shim_cfg;
 }
+
+/* ---------------------------------------------------------------- registry */
 
 shim_comm_t *shim_comm_add(shim_frontend_t fe, const void *handle, MPI_Comm mpi, int owns_mpi,
                            int size, int rank)
 {
-    mfsdp_status_t st = shim_init();
+    shim_init();
     shim_comm_t *c = calloc(1, sizeof(*c));
     if (c == NULL) {
-        MFSDP_WARN("out of memory tracking a communicator: its calls pass through");
+        /* Never pass through silently: without state the calls cannot be identified. */
+        fprintf(stderr, "mfsdp: error: out of memory tracking a communicator\n");
         return NULL;
     }
     c->fe = fe;
@@ -84,33 +195,22 @@ shim_comm_t *shim_comm_add(shim_frontend_t fe, const void *handle, MPI_Comm mpi,
     c->owns_mpi = owns_mpi;
     c->size = size;
     c->rank = rank;
+    c->pending_group = -1;
     pthread_mutex_init(&c->lock, NULL);
-    if (st != MFSDP_OK) {
-        /* A bad MFSDP_* value or manifest: refuse to remap rather than guess. */
-        c->remap = 1;
-        c->failed = 1;
-        snprintf(c->why, sizeof(c->why), "bad MFSDP_* configuration or manifest (%s)",
-                 mfsdp_status_string(st));
-    } else if (shim_manifest != NULL &&
-               (shim_manifest->world_size == 0 || shim_manifest->world_size == size)) {
-        char err[1024] = "";
-        st = mfsdp_matcher_create(shim_manifest, size, err, sizeof(err), &c->matcher);
-        c->remap = 1;
-        if (st != MFSDP_OK) {
-            MFSDP_WARN("cannot match calls to the manifest %s: %s", shim_cfg->manifest, err);
-            c->failed = 1;
-            snprintf(c->why, sizeof(c->why), "%s", err);
-        }
-    } else if (shim_manifest != NULL) {
-        MFSDP_INFO(SHIM, "comm of size %d does not match the manifest's world size %d: "
-                         "pass-through", size, shim_manifest->world_size);
+    /* A communicator of the manifest's world size (any, when it states none) is managed:
+     * its all-gathers and reduce-scatters must all be identified. */
+    c->managed = shim_status == MFSDP_OK && shim_manifest != NULL &&
+                 (shim_manifest->world_size == 0 || shim_manifest->world_size == size);
+    if (c->managed) {
+        c->man = shim_manifest;
+        c->set = &shim_settings;
     }
     pthread_mutex_lock(&comms_lock);
     c->next = comms;
     comms = c;
     pthread_mutex_unlock(&comms_lock);
-    MFSDP_INFO(SHIM, "%s comm %p: rank %d of %d, %s", fe == SHIM_MPI ? "mpi" : "nccl", handle,
-               rank, size, c->remap ? "remapped" : "pass-through");
+    MFSDP_INFO(SHIM, "%s comm %p: rank %d of %d%s", fe == SHIM_MPI ? "mpi" : "nccl", handle, rank,
+               size, c->managed ? ", managed" : "");
     return c;
 }
 
@@ -125,97 +225,8 @@ shim_comm_t *shim_comm_find(shim_frontend_t fe, const void *handle)
     return c;
 }
 
-/* ---------------------------------------------------------------- recording */
-
-static void record_call(shim_comm_t *c, const shim_call_t *call)
-{
-    if (c->rec_done) {
-        return;
-    }
-    /* One iteration: stop at the first all-gather that repeats the first recorded one after
-     * a reduce-scatter was seen (the next iteration's first call). */
-    if (call->sig.kind == MFSDP_CALL_ALLGATHER && c->rec_seen_rs && c->rec.ncalls > 0) {
-        const mfsdp_call_sig_t *f = &c->rec.calls[0].sig;
-        if (f->kind == call->sig.kind && f->count == call->sig.count &&
-            f->dtype == call->sig.dtype) {
-            c->rec_done = 1;
-            return;
-        }
-    }
-    c->rec_seen_rs |= call->sig.kind == MFSDP_CALL_REDUCE_SCATTER;
-    if (c->rec.ncalls == c->rec_cap) {
-        size_t cap = c->rec_cap ? 2 * c->rec_cap : 64;
-        mfsdp_record_call_t *n = realloc(c->rec.calls, cap * sizeof(*n));
-        if (n == NULL) {
-            MFSDP_WARN("out of memory recording calls: the record stops here");
-            c->rec_done = 1;
-            return;
-        }
-        c->rec.calls = n;
-        c->rec_cap = cap;
-    }
-    mfsdp_record_call_t *r = &c->rec.calls[c->rec.ncalls++];
-    r->sig = call->sig;
-    snprintf(r->op, sizeof(r->op), "%s", call->op_name ? call->op_name : "none");
-}
-
-/* Keep a removed comm's record until exit (comms may be destroyed before finalize). */
-static void record_keep(shim_comm_t *c)
-{
-    if (!shim_recording() || c->rec.ncalls == 0) {
-        free(c->rec.calls);
-        return;
-    }
-    if (shim_record_out == NULL) {
-        shim_record_out = calloc(1, sizeof(*shim_record_out));
-        if (shim_record_out == NULL) {
-            free(c->rec.calls);
-            return;
-        }
-    }
-    mfsdp_record_t *r = shim_record_out;
-    mfsdp_record_comm_t *n = realloc(r->comms, (r->ncomms + 1) * sizeof(*n));
-    if (n == NULL) {
-        free(c->rec.calls);
-        return;
-    }
-    r->comms = n;
-    c->rec.size = c->size;
-    r->comms[r->ncomms++] = c->rec;
-}
-
-static void record_write(int rank)
-{
-    if (shim_record_out == NULL || rank != 0) {
-        return;
-    }
-    char tmp[4096];
-    snprintf(tmp, sizeof(tmp), "%s.tmp.%d", shim_cfg->record, (int)getpid());
-    FILE *f = fopen(tmp, "w");
-    if (f == NULL) {
-        MFSDP_WARN("cannot write MFSDP_RECORD file %s: %m", tmp);
-        return;
-    }
-    mfsdp_status_t st = mfsdp_record_write(shim_record_out, f);
-    if (fflush(f) != 0 || fsync(fileno(f)) != 0) {
-        st = MFSDP_ERR_IO;
-    }
-    if (fclose(f) != 0) {
-        st = MFSDP_ERR_IO;
-    }
-    if (st != MFSDP_OK || rename(tmp, shim_cfg->record) != 0) {
-        MFSDP_WARN("cannot write MFSDP_RECORD file %s: %m", shim_cfg->record);
-        unlink(tmp);
-        return;
-    }
-    MFSDP_INFO(SHIM, "recorded %zu communicator(s) to %s", shim_record_out->ncomms,
-               shim_cfg->record);
-}
-
-/* ---------------------------------------------------------------- lifetime */
-
 /* MFSDP_REPORT=1: one line per rank and remapped comm (scripts/demo-report.py parses it). */
-static void report(const shim_comm_t *c)
+static void report_rank(const shim_comm_t *c)
 {
     mfsdp_ctx_stats_t s;
     if (c->ctx == NULL || mfsdp_ctx_get_stats(c->ctx, &s) != MFSDP_OK) {
@@ -234,21 +245,43 @@ static void report(const shim_comm_t *c)
     fflush(stdout);
 }
 
-static void comm_release(shim_comm_t *c)
+static mfsdp_status_t comm_release(shim_comm_t *c)
 {
+    pthread_mutex_lock(&c->lock);
+    mfsdp_status_t st = c->failed ? c->fail_status : MFSDP_OK;
     if (c->ctx != NULL && !c->failed) {
+        char msg[1024] = "";
         shim_inside = 1;
-        mfsdp_status_t st = mfsdp_ctx_flush(c->ctx);
+        mfsdp_log_capture_begin();
+        mfsdp_status_t fs = mfsdp_ctx_flush(c->ctx);
+        mfsdp_log_capture_end(msg, sizeof(msg));
         shim_inside = 0;
-        if (st != MFSDP_OK) {
-            MFSDP_WARN("flushing pending optimizer steps failed: %s", mfsdp_status_string(st));
+        if (fs != MFSDP_OK) {
+            shim_fatal(c, 0, fs, "flushing the pending optimizer steps failed: %s",
+                       msg[0] ? msg : mfsdp_status_string(fs));
+            st = fs;
         }
     }
-    if (shim_init() == MFSDP_OK && shim_cfg->report) {
-        report(c);
+    if (c->matcher != NULL && !c->failed && c->remapped_ag + c->remapped_rs > 0) {
+        char err[1024];
+        if (mfsdp_matcher_end(c->matcher, err, sizeof(err)) != MFSDP_OK) {
+            shim_fatal(c, 1, MFSDP_ERR_SEQUENCE, "%s", err);
+            st = MFSDP_ERR_SEQUENCE;
+        }
     }
+    if (shim_cfg != NULL && shim_cfg->report) {
+        report_rank(c);
+    }
+    shim_report_keep(c);
+    pthread_mutex_lock(&comms_lock);
+    if (pending_comm == c) {
+        pending_comm = NULL;
+    }
+    pthread_mutex_unlock(&comms_lock);
+    shim_reg_unbind(c);
     mfsdp_ctx_destroy(&c->ctx);
     mfsdp_matcher_destroy(c->matcher);
+    c->matcher = NULL;
     if (c->owns_mpi && c->mpi != MPI_COMM_NULL) {
         int finalized = 0;
         MPI_Finalized(&finalized);
@@ -256,15 +289,17 @@ static void comm_release(shim_comm_t *c)
             PMPI_Comm_free(&c->mpi);
         }
     }
-    record_keep(c);
+    shim_record_keep(c);
+    pthread_mutex_unlock(&c->lock);
     pthread_mutex_destroy(&c->lock);
     free(c);
+    return st;
 }
 
-void shim_comm_remove(shim_comm_t *c)
+mfsdp_status_t shim_comm_remove(shim_comm_t *c)
 {
     if (c == NULL) {
-        return;
+        return MFSDP_OK;
     }
     pthread_mutex_lock(&comms_lock);
     for (shim_comm_t **p = &comms; *p != NULL; p = &(*p)->next) {
@@ -274,19 +309,19 @@ void shim_comm_remove(shim_comm_t *c)
         }
     }
     pthread_mutex_unlock(&comms_lock);
-    comm_release(c);
+    return comm_release(c);
 }
 
-void shim_finalize_all(void)
+int shim_finalize_all(void)
 {
+    finalized_once = 1;
     int world_rank = 0;
     int inited = 0;
     MPI_Initialized(&inited);
     if (inited) {
         PMPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
     }
-    /* Release in creation order (the list is newest first) so that every rank frees its
-     * communicators in the same order. */
+    /* In creation order (the list is newest first): every rank frees alike. */
     for (;;) {
         pthread_mutex_lock(&comms_lock);
         shim_comm_t **p = &comms;
@@ -303,125 +338,476 @@ void shim_finalize_all(void)
         }
         comm_release(c);
     }
-    if (shim_init() == MFSDP_OK && shim_recording()) {
-        record_write(world_rank);
-    }
-    if (shim_record_out != NULL) {
-        for (size_t i = 0; i < shim_record_out->ncomms; i++) {
-            free(shim_record_out->comms[i].calls);
-        }
-        free(shim_record_out->comms);
-        free(shim_record_out);
-        shim_record_out = NULL;
-    }
+    shim_record_write(world_rank);
+    return shim_report_exit(world_rank);
 }
 
-/* ---------------------------------------------------------------- dispatch */
+/* ---------------------------------------------------------------- agreement */
 
-/* Fold MFSDP_GRAD_DIVIDE into the op the owner applies. */
-static void apply_divide(int world, mfsdp_redop_t *op, double *scalar)
+static int agree_u64(void *arg, uint64_t *buf, size_t n, int is_max)
 {
-    double d = shim_divide == 0.0 ? (double)world : shim_divide;
-    if (d == 1.0) {
-        return;
+    MPI_Comm comm = *(MPI_Comm *)arg;
+    return PMPI_Allreduce(MPI_IN_PLACE, buf, (int)n, MPI_UINT64_T, is_max ? MPI_MAX : MPI_MIN,
+                          comm) != MPI_SUCCESS;
+}
+
+static int agree_gather(void *arg, const void *mine, size_t bytes, void *all)
+{
+    MPI_Comm comm = *(MPI_Comm *)arg;
+    return PMPI_Allgather(mine, (int)bytes, MPI_BYTE, all, (int)bytes, MPI_BYTE, comm) !=
+           MPI_SUCCESS;
+}
+
+static void put_item(mfsdp_fp_item_t *it, const char *name, const char *value)
+{
+    it->name = name;
+    it->hash = mfsdp_hash_bytes(MFSDP_HASH_INIT, value, strlen(value));
+    snprintf(it->value, sizeof(it->value), "%s", value);
+}
+
+/* Compare this comm's settings across its ranks before deciding anything about its first
+ * call: every rank is inside this same collective call, so the exchange cannot hang. Returns
+ * 0 and fails the comm on a difference. */
+static int comm_agree(shim_comm_t *c, const shim_tag_t *tag, const shim_call_t *call)
+{
+    c->agreed = 1;
+    mfsdp_fp_item_t items[MFSDP_FP_MAX];
+    const mfsdp_manifest_t *m = shim_manifest;
+    shim_reg_t *reg = tag != NULL ? shim_reg_find(tag->id) : NULL;
+    if (reg != NULL) {
+        m = reg->manifest;
     }
-    switch (*op) {
-    case MFSDP_OP_SUM:
-        if (d == (double)world) {
-            *op = MFSDP_OP_AVG;
-        } else {
-            *op = MFSDP_OP_PREMULSUM;
-            *scalar = 1.0 / d;
+    size_t n = mfsdp_settings_fingerprint(m, c->size, shim_cfg, items);
+    char mode[64];
+    snprintf(mode, sizeof(mode), "%s, status %d",
+             shim_status != MFSDP_OK ? "misconfigured"
+             : tag != NULL           ? "tagged"
+             : shim_recording()      ? "recording"
+             : shim_manifest         ? "sequence"
+                                     : "pass-through",
+             (int)shim_status);
+    if (n < MFSDP_FP_MAX) {
+        put_item(&items[n++], "the shim's mode", mode);
+    }
+    char first[64];
+    snprintf(first, sizeof(first), "%s%s", call->kind == SHIM_ALLGATHER ? "allgather" : "reduce",
+             tag != NULL ? " (tagged)" : "");
+    if (tag != NULL) {
+        snprintf(first, sizeof(first), "tag kind %d group %zu", tag->kind, tag->group);
+    }
+    if (n < MFSDP_FP_MAX) {
+        put_item(&items[n++], "the first call's tag", first);
+    }
+    mfsdp_agree_ops_t ops = {agree_u64, agree_gather, &c->mpi, c->rank, c->size};
+    char err[1024];
+    mfsdp_status_t st = mfsdp_settings_agree(items, n, &ops, err, sizeof(err));
+    if (st != MFSDP_OK) {
+        shim_fatal(c, st == MFSDP_ERR_MISMATCH, st, "%s", err);
+        return 0;
+    }
+    return 1;
+}
+
+/* ---------------------------------------------------------------- execution */
+
+static int agreed_status(mfsdp_status_t st)
+{
+    /* Errors every rank reaches alike (they depend only on rank-identical arguments). */
+    return st == MFSDP_ERR_MISMATCH || st == MFSDP_ERR_INVALID_ARG || st == MFSDP_ERR_CONFIG ||
+           st == MFSDP_ERR_UNSUPPORTED || st == MFSDP_ERR_SEQUENCE || st == MFSDP_ERR_STATE ||
+           st == MFSDP_ERR_MEM_LIMIT;
+}
+
+static const char *kind_word(shim_kind_t k)
+{
+    return k == SHIM_ALLGATHER        ? "all-gather"
+           : k == SHIM_REDUCE_SCATTER ? "reduce-scatter"
+                                      : "all-reduce";
+}
+
+/* Remap one identified call on c (its lock held). sync: a tagged weight write-back. */
+static shim_result_t execute(shim_comm_t *c, size_t group, const unsigned char *has_grad,
+                             const shim_call_t *call, int tagged, int sync, mfsdp_status_t *st_p)
+{
+    char msg[1024] = "";
+    mfsdp_status_t st = MFSDP_OK;
+    const char *gname = c->man->groups[group].name;
+    mfsdp_redop_t op = call->op;
+    double scalar = call->scalar, post = 1.0;
+    if (call->kind == SHIM_REDUCE_SCATTER) {
+        if (!call->op_supported) {
+            shim_fatal(c, 1, MFSDP_ERR_UNSUPPORTED,
+                       "the reduce-scatter of group %s uses op %s, which mfsdp cannot apply on "
+                       "owners (sum, avg and a PreMulSum with a host scalar are supported)",
+                       gname, call->op_name ? call->op_name : "?");
+            *st_p = MFSDP_ERR_UNSUPPORTED;
+            return SHIM_ERROR;
         }
-        break;
-    case MFSDP_OP_AVG:
-        *op = MFSDP_OP_PREMULSUM;
-        *scalar = 1.0 / ((double)world * d);
-        break;
-    case MFSDP_OP_PREMULSUM:
-        *scalar /= d;
-        break;
+        char err[512];
+        st = mfsdp_divide_resolve(c->set->divide, c->set->divide_factor, call->dtype,
+                                  c->size * (c->man->replicate > 1 ? c->man->replicate : 1),
+                                  call->op, call->scalar, &op, &scalar, &post, err, sizeof(err));
+        if (st != MFSDP_OK) {
+            shim_fatal(c, 1, st, "reduce-scatter of group %s: %s", gname, err);
+            *st_p = st;
+            return SHIM_ERROR;
+        }
     }
+    shim_inside = 1;
+    mfsdp_log_capture_begin();
+    if (c->ctx == NULL) {
+        /* Collective over the comm: every rank reaches this on the same call, because the
+         * decisions above depend only on rank-identical arguments. */
+        mfsdp_ctx_opts_t o;
+        memset(&o, 0, sizeof(o));
+        if (tagged) {
+            o.has_step_mode = 1;
+            o.step_mode = MFSDP_STEP_MANUAL; /* the job's optimizer.step() runs it */
+        }
+        st = mfsdp_ctx_create_mpi(c->man, &o, c->mpi, &c->ctx);
+    }
+    if (st == MFSDP_OK && sync) {
+        size_t elt = sizeof(float);
+        st = mfsdp_ctx_scatter_masters(
+            c->ctx, group, (float *)((char *)call->recv + (size_t)c->rank * call->count * elt),
+            call->count);
+    } else if (st == MFSDP_OK && call->kind == SHIM_ALLGATHER) {
+        st = mfsdp_ctx_allgather(c->ctx, group, call->send, call->recv, call->count, call->dtype);
+    } else if (st == MFSDP_OK) {
+        st = mfsdp_ctx_reduce_params(c->ctx, group, has_grad, call->send, call->recv, call->count,
+                                     call->dtype, op, scalar, post);
+    }
+    mfsdp_log_capture_end(msg, sizeof(msg));
+    shim_inside = 0;
+    if (st != MFSDP_OK) {
+        shim_fatal(c, agreed_status(st), st, "the remapped %s of group %s failed: %s",
+                   sync ? "weight write-back" : kind_word(call->kind), gname,
+                   msg[0] ? msg : mfsdp_status_string(st));
+        *st_p = st;
+        return SHIM_ERROR;
+    }
+    if (call->kind == SHIM_ALLGATHER) {
+        c->remapped_ag++;
+    } else {
+        c->remapped_rs++;
+        /* Its replicate all-reduce (HSDP) may follow on another communicator. */
+        c->pending_group = (long)group;
+        c->pending_count = call->count;
+        c->pending_dtype = call->dtype;
+        pthread_mutex_lock(&comms_lock);
+        pending_comm = c;
+        pthread_mutex_unlock(&comms_lock);
+    }
+    pthread_mutex_lock(&comms_lock);
+    remapped_total++;
+    pthread_mutex_unlock(&comms_lock);
+    *st_p = MFSDP_OK;
+    return SHIM_DONE;
+}
+
+/* A call the companion tagged. */
+static shim_result_t tagged_call(shim_comm_t *c, const shim_tag_t *tag, const shim_call_t *call,
+                                 mfsdp_status_t *st_p)
+{
+    shim_reg_t *reg = shim_reg_find(tag->id);
+    int sync = tag->kind == MFSDP_SHIM_TAG_SYNC;
+    int want_ag = tag->kind == MFSDP_SHIM_TAG_ALLGATHER || sync;
+    char err[1024];
+    if (reg == NULL || (want_ag != (call->kind == SHIM_ALLGATHER)) ||
+        tag->kind == MFSDP_SHIM_TAG_REPLICATE) {
+        shim_fatal(c, 1, MFSDP_ERR_MISMATCH, "a %s was tagged as %s", kind_word(call->kind),
+                   reg == NULL                             ? "belonging to an unregistered manifest"
+                   : tag->kind == MFSDP_SHIM_TAG_REPLICATE ? "a replicate all-reduce"
+                   : want_ag                               ? "an all-gather"
+                                                           : "a reduce-scatter");
+        *st_p = MFSDP_ERR_MISMATCH;
+        return SHIM_ERROR;
+    }
+    if (c->reg == NULL) {
+        if (reg->comm != NULL && reg->comm != c) {
+            shim_fatal(c, 1, MFSDP_ERR_MISMATCH,
+                       "manifest %d is bound to another communicator; tag each FSDP process "
+                       "group with its own registration",
+                       tag->id);
+            *st_p = MFSDP_ERR_MISMATCH;
+            return SHIM_ERROR;
+        }
+        if (reg->manifest->world_size != 0 && reg->manifest->world_size != c->size) {
+            shim_fatal(c, 1, MFSDP_ERR_MISMATCH,
+                       "the registered manifest is for %d ranks; the tagged call runs on %d",
+                       reg->manifest->world_size, c->size);
+            *st_p = MFSDP_ERR_MISMATCH;
+            return SHIM_ERROR;
+        }
+        mfsdp_status_t st =
+            mfsdp_matcher_create(reg->manifest, c->size, err, sizeof(err), &reg->matcher);
+        if (st == MFSDP_ERR_UNSUPPORTED) { /* identical blocks: fine when tagged */
+            st = MFSDP_OK;
+        }
+        if (st != MFSDP_OK) {
+            shim_fatal(c, 1, st, "%s", err);
+            *st_p = st;
+            return SHIM_ERROR;
+        }
+        reg->comm = c;
+        c->reg = reg;
+        c->man = reg->manifest;
+        c->set = &reg->settings;
+    }
+    if (c->reg != reg) {
+        shim_fatal(c, 1, MFSDP_ERR_MISMATCH,
+                   "a call tagged with manifest %d on a communicator bound to manifest %d", tag->id,
+                   c->reg->id);
+        *st_p = MFSDP_ERR_MISMATCH;
+        return SHIM_ERROR;
+    }
+    const unsigned char *mask = tag->has_mask ? tag->mask : NULL;
+    if (sync) {
+        size_t elems = 0; /* the group's FSDP shard in fp32 elements */
+        const mfsdp_group_desc_t *gd = &reg->manifest->groups[tag->group];
+        for (size_t i = 0; i < gd->nparams; i++) {
+            int64_t rest = gd->params[i].numel / gd->params[i].shape[0];
+            elems += (size_t)(((gd->params[i].shape[0] + c->size - 1) / c->size) * rest);
+        }
+        if (call->dtype != MFSDP_FLOAT32 || call->count != elems) {
+            shim_fatal(c, 1, MFSDP_ERR_MISMATCH,
+                       "the weight write-back of group %s must be a float32 all-gather of "
+                       "%zu elements, got %zu of %s",
+                       gd->name, elems, call->count, mfsdp_dtype_name(call->dtype));
+            *st_p = MFSDP_ERR_MISMATCH;
+            return SHIM_ERROR;
+        }
+    } else if (reg->matcher != NULL) {
+        mfsdp_call_sig_t sig = {call->kind == SHIM_ALLGATHER ? MFSDP_CALL_ALLGATHER
+                                                             : MFSDP_CALL_REDUCE_SCATTER,
+                                call->count, call->dtype};
+        mfsdp_status_t st =
+            mfsdp_matcher_check_tag(reg->matcher, &sig, tag->group, mask, err, sizeof(err));
+        if (st != MFSDP_OK) {
+            shim_fatal(c, 1, st, "%s", err);
+            *st_p = st;
+            return SHIM_ERROR;
+        }
+    }
+    return execute(c, tag->group, mask, call, 1, sync, st_p);
+}
+
+/* A call on a communicator of another size than the manifest's: passed through, unless the
+ * job has made an iteration's worth of calls and none was remapped (a wrong world_size, a
+ * manifest of another model): then it stops. */
+static shim_result_t unmanaged_call(shim_comm_t *c, mfsdp_status_t *st_p)
+{
+    pthread_mutex_lock(&comms_lock);
+    int stop = remapped_total == 0 && calls_total >= shim_iter_calls;
+    uint64_t seen = calls_total;
+    pthread_mutex_unlock(&comms_lock);
+    if (!stop) {
+        c->passed++;
+        return SHIM_PASS;
+    }
+    shim_fatal(c, 1, MFSDP_ERR_MISMATCH,
+               "the manifest %s is for %d ranks but the job's all-gathers and reduce-scatters "
+               "run on a communicator of %d: %llu calls and none remapped, so nothing would be "
+               "trained by mfsdp (write the manifest at the job's world size, or drop "
+               "\"world_size\")",
+               shim_cfg->manifest, shim_manifest->world_size, c->size, (unsigned long long)seen);
+    *st_p = MFSDP_ERR_MISMATCH;
+    return SHIM_ERROR;
 }
 
 shim_result_t shim_dispatch(shim_comm_t *c, const shim_call_t *call, mfsdp_status_t *st_p)
 {
-    shim_result_t res = SHIM_PASS;
-    char err[1024] = "";
-    size_t group = MFSDP_GROUP_NONE;
-    mfsdp_status_t st = MFSDP_OK;
+    *st_p = MFSDP_OK;
     if (c == NULL) {
         return SHIM_PASS;
     }
+    shim_result_t res = SHIM_PASS;
     pthread_mutex_lock(&c->lock);
-    if (!c->remap) {
-        if (shim_recording()) {
-            record_call(c, call);
-        }
+    shim_tag_t tag;
+    int tagged = shim_tag_take(&tag);
+    c->calls++;
+    pthread_mutex_lock(&comms_lock);
+    calls_total++;
+    if (pending_comm == c) {
+        pending_comm = NULL; /* the next call on the shard comm: no replicate came */
+    }
+    pthread_mutex_unlock(&comms_lock);
+    if (!c->agreed && !comm_agree(c, tagged ? &tag : NULL, call)) {
+        res = SHIM_ERROR;
+        *st_p = c->fail_status;
         goto out;
     }
     if (c->failed) {
-        st = MFSDP_ERR_SEQUENCE;
-        MFSDP_WARN("refusing the call: an earlier error stopped the remap: %s", c->why);
+        *st_p = c->fail_status; /* the first error was printed */
         res = SHIM_ERROR;
         goto out;
     }
-    mfsdp_match_t match = {.group = MFSDP_GROUP_NONE};
-    st = mfsdp_matcher_next(c->matcher, &call->sig, &match, err, sizeof(err));
-    group = match.group;
+    if (shim_status != MFSDP_OK) {
+        shim_fatal(c, 1, shim_status, "%s", shim_err);
+        *st_p = shim_status;
+        res = SHIM_ERROR;
+        goto out;
+    }
+    if (tagged) {
+        res = tagged_call(c, &tag, call, st_p);
+        goto out;
+    }
+    if (c->reg != NULL) {
+        shim_fatal(c, 1, MFSDP_ERR_STATE,
+                   "an untagged %s (count %zu, %s) on a communicator the PyTorch companion tags: "
+                   "it did not see this collective (an FSDP2 version or code path it does not "
+                   "hook?); refusing it rather than guessing its group",
+                   kind_word(call->kind), call->count,
+                   call->dtype_known ? mfsdp_dtype_name(call->dtype) : "another dtype");
+        *st_p = MFSDP_ERR_STATE;
+        res = SHIM_ERROR;
+        goto out;
+    }
+    if (shim_recording()) {
+        shim_record_call(c, call);
+        c->passed++;
+        goto out;
+    }
+    if (shim_manifest == NULL) {
+        c->passed++;
+        goto out;
+    }
+    if (!c->managed) {
+        res = unmanaged_call(c, st_p);
+        goto out;
+    }
+    if (!call->dtype_known) {
+        shim_fatal(c, 1, MFSDP_ERR_SEQUENCE,
+                   "a %s of count %zu in a datatype mfsdp does not handle on the managed "
+                   "communicator (its all-gathers and reduce-scatters must all be FSDP's)",
+                   kind_word(call->kind), call->count);
+        *st_p = MFSDP_ERR_SEQUENCE;
+        res = SHIM_ERROR;
+        goto out;
+    }
+    char err[1024];
+    mfsdp_status_t st = MFSDP_OK;
+    if (c->matcher == NULL) {
+        st = mfsdp_matcher_create(shim_manifest, c->size, err, sizeof(err), &c->matcher);
+    }
+    mfsdp_match_t match;
+    mfsdp_call_sig_t sig = {call->kind == SHIM_ALLGATHER ? MFSDP_CALL_ALLGATHER
+                                                         : MFSDP_CALL_REDUCE_SCATTER,
+                            call->count, call->dtype};
+    if (st == MFSDP_OK) {
+        st = mfsdp_matcher_next(c->matcher, &sig, &match, err, sizeof(err));
+    }
     if (st != MFSDP_OK) {
-        MFSDP_WARN("%s", err);
-        c->failed = 1;
-        snprintf(c->why, sizeof(c->why), "%s", err);
+        shim_fatal(c, 1, st, "%s", err);
+        *st_p = st;
         res = SHIM_ERROR;
         goto out;
     }
-    if (group == MFSDP_GROUP_NONE) {
-        char sb[96];
-        mfsdp_call_sig_format(&call->sig, sb, sizeof(sb));
-        MFSDP_INFO(SHIM, "%s matches no group of the manifest: pass-through", sb);
-        goto out;
-    }
-    if (call->sig.kind == MFSDP_CALL_REDUCE_SCATTER && !call->op_supported) {
-        MFSDP_WARN("reduce_scatter of group %s uses op %s, which mfsdp cannot apply on owners",
-                   shim_manifest->groups[group].name, call->op_name ? call->op_name : "?");
-        st = MFSDP_ERR_UNSUPPORTED;
-        c->failed = 1;
-        snprintf(c->why, sizeof(c->why), "unsupported reduce op %s", call->op_name);
-        res = SHIM_ERROR;
-        goto out;
-    }
-    res = SHIM_DONE;
-    shim_inside = 1;
-    if (c->ctx == NULL) {
-        /* Collective over the comm: every rank reaches this on the same call, because the
-         * decision above depends only on rank-identical arguments. */
-        st = mfsdp_ctx_create_mpi(shim_manifest, NULL, c->mpi, &c->ctx);
-        if (st != MFSDP_OK) {
-            MFSDP_WARN("creating the mfsdp context failed: %s", mfsdp_status_string(st));
-        }
-    }
-    if (st == MFSDP_OK && call->sig.kind == MFSDP_CALL_ALLGATHER) {
-        st = mfsdp_ctx_allgather(c->ctx, group, call->send, call->recv, call->sig.count,
-                                 call->sig.dtype);
-    } else if (st == MFSDP_OK) {
-        mfsdp_redop_t op = call->op;
-        double scalar = call->scalar;
-        apply_divide(c->size, &op, &scalar);
-        st = mfsdp_ctx_reduce(c->ctx, group, call->send, call->recv, call->sig.count,
-                              call->sig.dtype, op, scalar);
-    }
-    shim_inside = 0;
-    if (st != MFSDP_OK) {
-        MFSDP_WARN("remapped %s of group %s failed: %s",
-                   call->sig.kind == MFSDP_CALL_ALLGATHER ? "allgather" : "reduce_scatter",
-                   shim_manifest->groups[group].name, mfsdp_status_string(st));
-        c->failed = 1;
-        snprintf(c->why, sizeof(c->why), "remapped call failed: %s", mfsdp_status_string(st));
-        res = SHIM_ERROR;
-    }
+    res = execute(c, match.group, call->kind == SHIM_REDUCE_SCATTER ? match.has_grad : NULL, call,
+                  0, 0, st_p);
 out:
     pthread_mutex_unlock(&c->lock);
-    *st_p = st;
+    return res;
+}
+
+/* ---------------------------------------------------------------- HSDP all-reduces */
+
+shim_result_t shim_allreduce(shim_comm_t *c, const shim_call_t *call, mfsdp_status_t *st_p)
+{
+    *st_p = MFSDP_OK;
+    shim_tag_t tag;
+    int tagged = shim_tag_take(&tag);
+    shim_comm_t *p = NULL;
+    if (tagged) {
+        shim_reg_t *reg = shim_reg_find(tag.id);
+        if (reg == NULL || tag.kind != MFSDP_SHIM_TAG_REPLICATE || reg->comm == NULL) {
+            if (c != NULL) {
+                shim_fatal(c, 1, MFSDP_ERR_MISMATCH, "an all-reduce was tagged as %s",
+                           tag.kind != MFSDP_SHIM_TAG_REPLICATE ? "something else than the "
+                                                                  "replicate all-reduce"
+                                                                : "the replicate all-reduce of "
+                                                                  "a manifest with no call yet");
+            }
+            *st_p = MFSDP_ERR_MISMATCH;
+            return SHIM_ERROR;
+        }
+        p = reg->comm;
+    } else {
+        pthread_mutex_lock(&comms_lock);
+        p = pending_comm;
+        pthread_mutex_unlock(&comms_lock);
+        if (p == NULL || p == c || c == NULL || !call->dtype_known ||
+            call->count != p->pending_count || call->dtype != p->pending_dtype) {
+            return SHIM_PASS; /* not the all-reduce of a reduce-scatter's output */
+        }
+    }
+    if (c == NULL) {
+        return SHIM_PASS;
+    }
+    pthread_mutex_lock(&p->lock);
+    shim_result_t res = SHIM_DONE;
+    long group = p->pending_group;
+    if (p->failed) {
+        *st_p = p->fail_status;
+        res = SHIM_ERROR;
+        goto out;
+    }
+    if (p->man->replicate <= 1) {
+        if (c->size == 1 && !tagged) {
+            res = SHIM_PASS; /* a one-rank replicate group: a no-op, as FSDP2 issues it */
+            goto out;
+        }
+        shim_fatal(p, 1, MFSDP_ERR_UNSUPPORTED,
+                   "an all-reduce of group %s's reduce-scatter output (count %zu) over a "
+                   "communicator of %d ranks: this is HSDP, but the manifest declares no "
+                   "\"replicate\"; replicas would step on different gradients and drift apart "
+                   "(declare \"replicate\": %d)",
+                   group >= 0 ? p->man->groups[group].name : "?", call->count, c->size, c->size);
+        *st_p = MFSDP_ERR_UNSUPPORTED;
+        res = SHIM_ERROR;
+        goto out;
+    }
+    if (group < 0 || (tagged && (size_t)group != tag.group)) {
+        shim_fatal(p, 1, MFSDP_ERR_SEQUENCE,
+                   "a replicate all-reduce of group %s with no reduce-scatter of it before",
+                   tagged ? p->man->groups[tag.group].name : "?");
+        *st_p = MFSDP_ERR_SEQUENCE;
+        res = SHIM_ERROR;
+        goto out;
+    }
+    char msg[1024] = "";
+    mfsdp_status_t st = MFSDP_OK;
+    shim_inside = 1;
+    mfsdp_log_capture_begin();
+    if (!p->replicate_attached) {
+        /* Collective over the replicate comm: its ranks are all in this all-reduce. */
+        st = mfsdp_ctx_attach_replicate_mpi(p->ctx, c->mpi);
+        p->replicate_attached = st == MFSDP_OK;
+    }
+    if (!call->op_supported) {
+        st = MFSDP_ERR_UNSUPPORTED;
+        snprintf(msg, sizeof(msg), "op %s cannot be applied on owners", call->op_name);
+    } else if (st == MFSDP_OK) {
+        st = mfsdp_ctx_replicate(p->ctx, (size_t)group, call->send, call->recv, call->count,
+                                 call->dtype, call->op, call->scalar);
+    }
+    mfsdp_log_capture_end(msg, sizeof(msg));
+    shim_inside = 0;
+    if (st != MFSDP_OK) {
+        shim_fatal(p, agreed_status(st), st, "the replicate all-reduce of group %s failed: %s",
+                   p->man->groups[group].name, msg[0] ? msg : mfsdp_status_string(st));
+        *st_p = st;
+        res = SHIM_ERROR;
+        goto out;
+    }
+    p->pending_group = -1;
+    c->remapped_ar++;
+    pthread_mutex_lock(&comms_lock);
+    if (pending_comm == p) {
+        pending_comm = NULL;
+    }
+    pthread_mutex_unlock(&comms_lock);
+out:
+    pthread_mutex_unlock(&p->lock);
     return res;
 }

@@ -1,82 +1,165 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Front-end-independent state of the LD_PRELOAD shim (DESIGN.md section 6): the manifest,
- * one entry per intercepted communicator (matcher, runtime context, record), the
- * MFSDP_RECORD writer and the re-entrancy guard. The NCCL and MPI front-ends
- * (nccl_front.c, mpi_front.c) translate their calls into shim_call_t and status codes into
- * their own error codes; nothing here knows NCCL or MPI types beyond an MPI_Comm.
+ * Front-end-independent state of the LD_PRELOAD shim (DESIGN.md section 6,
+ * docs/design.md): the configuration and manifest, one entry per intercepted communicator,
+ * the two identification modes (sequence: core/matcher.c; tagged: shim_tag.c), the
+ * never-silent rules (shim_report.c) and MFSDP_RECORD (shim_record.c). The NCCL and MPI
+ * front-ends (nccl_front.c, mpi_front.c) translate their calls into shim_call_t and mfsdp
+ * statuses into their own error codes; nothing here knows NCCL types.
  */
-#ifndef MFSDP_SHIM_H
-#define MFSDP_SHIM_H
+#ifndef MFSDP_LD_PRELOAD_SHIM_H
+#define MFSDP_LD_PRELOAD_SHIM_H
 
 #include <mpi.h>
 #include <pthread.h>
+#include <stdint.h>
 
+#include "core/config.h"
 #include "core/matcher.h"
 #include "core/record.h"
+#include "core/settings.h"
 #include "mfsdp/runtime_mpi.h"
 
 typedef enum shim_frontend { SHIM_MPI = 0, SHIM_NCCL = 1 } shim_frontend_t;
 
+/* A tagged-mode registration (mfsdp_shim_register): a manifest the companion built, bound to
+ * the communicator of its first tagged call. */
+typedef struct shim_reg {
+    int id;
+    mfsdp_manifest_t *manifest;
+    mfsdp_settings_t settings;
+    mfsdp_matcher_t *matcher; /* signatures for checking tags (built at binding) */
+    struct shim_comm *comm;   /* NULL until the first tagged call */
+} shim_reg_t;
+
 /* One intercepted communicator. */
 typedef struct shim_comm {
     shim_frontend_t fe;
-    const void *handle;    /* the job's comm handle (MPI_Comm or ncclComm_t) */
-    MPI_Comm mpi;          /* what the runtime runs on (NCCL: a split of MPI_COMM_WORLD) */
-    int owns_mpi;          /* 1 when mpi was created by the shim and must be freed */
+    const void *handle; /* the job's comm handle (MPI_Comm or ncclComm_t) */
+    MPI_Comm mpi;       /* what the runtime runs on (NCCL: a split of MPI_COMM_WORLD) */
+    int owns_mpi;       /* 1 when mpi was created by the shim and must be freed */
     int size;
     int rank;
-    int remap;             /* 1 when this comm's calls are remapped */
-    int failed;            /* an error happened: every later call on the comm fails */
-    char why[512];         /* the first error, repeated on every refused call */
-    mfsdp_matcher_t *matcher;
-    mfsdp_ctx_h ctx;       /* created on the first remapped call */
-    pthread_mutex_t lock;  /* PyTorch's watchdog thread calls NCCL concurrently */
-    /* MFSDP_RECORD: one iteration of (kind, count, dtype, op) */
-    mfsdp_record_comm_t rec;
-    size_t rec_cap;
-    int rec_done;
-    int rec_seen_rs;
+    int agreed;                  /* settings compared across the comm's ranks */
+    int managed;                 /* sequence mode: this comm's calls are identified */
+    shim_reg_t *reg;             /* tagged mode: the registration bound to this comm */
+    const mfsdp_manifest_t *man; /* the manifest this comm's context runs */
+    const mfsdp_settings_t *set;
+    int failed; /* an error stopped the remap: every later call fails */
+    mfsdp_status_t fail_status;
+    char why[1024];
+    mfsdp_matcher_t *matcher; /* sequence mode */
+    mfsdp_ctx_h ctx;          /* created on the first remapped call */
+    pthread_mutex_t lock;     /* PyTorch's watchdog thread calls NCCL concurrently */
+    /* HSDP: the group whose reduce is waiting for its replicate all-reduce (-1: none) */
+    long pending_group;
+    size_t pending_count;
+    mfsdp_dtype_t pending_dtype;
+    int replicate_attached;
+    /* counters (summary) */
+    uint64_t calls, remapped_ag, remapped_rs, remapped_ar, passed;
+    mfsdp_record_comm_t rec; /* MFSDP_RECORD */
+    int rec_full;            /* the record stopped (cap or memory), said once */
     struct shim_comm *next;
 } shim_comm_t;
 
-/* One intercepted all-gather or reduce-scatter, in front-end-neutral terms. */
+/* One intercepted collective, in front-end-neutral terms. */
+typedef enum shim_kind {
+    SHIM_ALLGATHER = 0,
+    SHIM_REDUCE_SCATTER = 1,
+    SHIM_ALLREDUCE = 2,
+} shim_kind_t;
+
 typedef struct shim_call {
-    mfsdp_call_sig_t sig;
-    const void *send;      /* the rank's shard (all-gather) or the full input (reduce) */
+    shim_kind_t kind;
+    size_t count;    /* per-rank count (all-gather, reduce-scatter); all-reduce: count */
+    int dtype_known; /* 0: a dtype mfsdp does not handle (never remapped) */
+    mfsdp_dtype_t dtype;
+    const void *send; /* the rank's shard (all-gather) or the full input (reduce) */
     void *recv;
-    mfsdp_redop_t op;      /* reduce-scatter only */
-    double scalar;         /* PREMULSUM factor */
-    const char *op_name;   /* for records and messages */
-    int op_supported;      /* 0: an op mfsdp cannot apply (prod, max, device scalar...) */
+    mfsdp_redop_t op;    /* reductions */
+    double scalar;       /* PREMULSUM factor */
+    const char *op_name; /* for records and messages */
+    int op_supported;    /* 0: an op mfsdp cannot apply (prod, max, device scalar...) */
 } shim_call_t;
 
 /* Outcome of shim_dispatch(). */
 typedef enum shim_result {
-    SHIM_PASS = 0,     /* not ours: the front-end calls the real function */
-    SHIM_DONE = 1,     /* remapped and completed */
-    SHIM_ERROR = 2,    /* remapped call failed (status in *st_p, message logged) */
+    SHIM_PASS = 0,  /* not ours: the front-end calls the real function */
+    SHIM_DONE = 1,  /* remapped and completed */
+    SHIM_ERROR = 2, /* refused (status in *st_p, the message printed once for the job) */
 } shim_result_t;
 
-/* Process-wide setup from MFSDP_* (once). Returns MFSDP_OK or the config/manifest error. */
-mfsdp_status_t shim_init(void);
-/* 1 when MFSDP_RECORD is set (pass-through + record). */
-int shim_recording(void);
+/* ---- shim.c ---- */
 
-/* Register a communicator (called when the job creates it, or lazily). mpi must be a
- * communicator with the same ranks in the same order. */
+/* Process-wide setup from MFSDP_* (once). MFSDP_OK, or the first configuration error (its
+ * message is reported at the first call it refuses). */
+mfsdp_status_t shim_init(void);
+const mfsdp_config_t *shim_config(void);
+
+/* Register a communicator (when the job creates it, or on first sight). mpi must hold the same
+ * ranks in the same order. */
 shim_comm_t *shim_comm_add(shim_frontend_t fe, const void *handle, MPI_Comm mpi, int owns_mpi,
                            int size, int rank);
 shim_comm_t *shim_comm_find(shim_frontend_t fe, const void *handle);
-/* Flush pending steps, write the record, release (comm destroy / finalize). */
-void shim_comm_remove(shim_comm_t *c);
-void shim_finalize_all(void);
+/* Flush pending steps, keep the record, release (comm destroy / finalize). Returns the first
+ * error the comm ended with (MFSDP_OK when none), for the front-end's return code. */
+mfsdp_status_t shim_comm_remove(shim_comm_t *c);
+/* At MPI_Finalize: release every comm, write the record, print the summary. Returns non-zero
+ * when the job must not exit 0 (an error, or a manifest that remapped nothing). */
+int shim_finalize_all(void);
 
-/* Decide and execute one call. Thread-safe per comm. */
+/* Decide and execute one all-gather or reduce-scatter. Thread-safe per comm. */
 shim_result_t shim_dispatch(shim_comm_t *c, const shim_call_t *call, mfsdp_status_t *st_p);
+/* An all-reduce on c: HSDP's replicate all-reduce of the reduce-scatter just remapped (or one
+ * the companion tagged) is remapped; an undeclared one stops the job; others pass. */
+shim_result_t shim_allreduce(shim_comm_t *c, const shim_call_t *call, mfsdp_status_t *st_p);
 
 /* Re-entrancy guard: while the runtime runs, intercepted names go straight to the real
- * library (the runtime never calls them today, but a transport might). */
+ * library. */
 extern __thread int shim_inside;
 
-#endif /* MFSDP_SHIM_H */
+/* ---- shim_report.c ---- */
+
+/* Stop the remap on c: c fails every later call with st. The message is printed once for the
+ * job: by the comm's rank 0 when every rank reaches the same decision (agreed), else by this
+ * rank, as "mfsdp: error: ..." (not a WARN line), unless MFSDP_DEBUG=NONE. */
+void shim_fatal(shim_comm_t *c, int agreed, mfsdp_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* The summary line of the job at exit (unless MFSDP_DEBUG=NONE), on world rank 0; also the
+ * end-of-job checks. Returns non-zero when the job must fail. */
+int shim_report_exit(int world_rank);
+/* Counters of released comms, kept for the summary. */
+void shim_report_keep(const shim_comm_t *c);
+/* 1 when messages are silenced (MFSDP_DEBUG=NONE). */
+int shim_quiet(void);
+
+/* ---- shim_record.c ---- */
+
+/* 1 when MFSDP_RECORD is set (pass-through + record). */
+int shim_recording(void);
+void shim_record_call(shim_comm_t *c, const shim_call_t *call);
+/* Keep a released comm's record until exit; write every record (world rank 0). */
+void shim_record_keep(shim_comm_t *c);
+void shim_record_write(int world_rank);
+
+/* ---- shim_tag.c ---- */
+
+/* This thread's pending tag, taken (cleared) by the call it describes. */
+typedef struct shim_tag {
+    int set;
+    int id;
+    int kind; /* mfsdp_shim_tag_kind_t */
+    size_t group;
+    size_t nparams;
+    int has_mask;
+    unsigned char mask[4096]; /* MFSDP_SHIM_MAX_PARAMS */
+} shim_tag_t;
+int shim_tag_take(shim_tag_t *tag_p);
+shim_reg_t *shim_reg_find(int id);
+/* Registrations bound to comm c are unbound when c is released. */
+void shim_reg_unbind(shim_comm_t *c);
+/* Record a tagged-mode API error for mfsdp_shim_last_error() on this thread. */
+void shim_tag_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+#endif /* MFSDP_LD_PRELOAD_SHIM_H */

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "core/checks.h"
+#include "core/settings.h"
 #include "mfsdp/kernels.h"
 #include "runtime/ctx.h"
 
@@ -77,13 +78,14 @@ mfsdp_status_t mfsdp_ctx_reduce(mfsdp_ctx_h ctx, size_t group, const void *sendb
                                 size_t recvcount, mfsdp_dtype_t dtype, mfsdp_redop_t op,
                                 double scalar)
 {
-    return mfsdp_ctx_reduce_params(ctx, group, NULL, sendbuf, recvbuf, recvcount, dtype, op,
-                                   scalar);
+    return mfsdp_ctx_reduce_params(ctx, group, NULL, sendbuf, recvbuf, recvcount, dtype, op, scalar,
+                                   1.0);
 }
 
 mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsigned char *has_grad,
                                        const void *sendbuf, void *recvbuf, size_t recvcount,
-                                       mfsdp_dtype_t dtype, mfsdp_redop_t op, double scalar)
+                                       mfsdp_dtype_t dtype, mfsdp_redop_t op, double scalar,
+                                       double post)
 {
     MFSDP_CHECK(mfsdp_ctx_check(ctx));
     MFSDP_CHECK(mfsdp_ctx_group_check(ctx, group, "reduce"));
@@ -111,6 +113,10 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
     int n = ctx->world;
     if (op != MFSDP_OP_SUM && op != MFSDP_OP_AVG && op != MFSDP_OP_PREMULSUM) {
         MFSDP_WARN("reduce of group %s: unknown reduction op %d", gname, (int)op);
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    if (!(post > 0.0) || !isfinite(post)) {
+        MFSDP_WARN("reduce of group %s: post-divide %g must be finite and > 0", gname, post);
         return MFSDP_ERR_INVALID_ARG;
     }
     if (op == MFSDP_OP_PREMULSUM && !isfinite(scalar)) {
@@ -146,6 +152,8 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
     size_t need;
     mfsdp_tail_bufs_t tb = {0};
     MFSDP_CHECK(mfsdp_ctx_bind_reduce(ctx, group, gs, ctx->stage, &need, &tb));
+    /* The owners' gradient is the op's result divided by the job's post-divide: one op. */
+    mfsdp_divide_fold(n, post, &op, &scalar);
     float sc = op == MFSDP_OP_PREMULSUM ? (float)scalar : 1.0f;
 
     /* Direct: own contributions (each tensor's full local gradient) packed once. */
@@ -213,7 +221,7 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
          * (the send staging is free again and at least world times this size). */
         float *val = tb.send;
         for (size_t j = 0; j < (size_t)pe->s; j++) {
-            val[j] = op == MFSDP_OP_AVG ? sum[j] / (float)n : sum[j];
+            val[j] = (op == MFSDP_OP_AVG ? sum[j] / (float)n : sum[j]) * (float)post;
         }
         MFSDP_CHECK(mfsdp_cpu_cast((char *)recvbuf + pe->o_bytes, dtype, val, MFSDP_FLOAT32,
                                    (size_t)pe->s));

@@ -184,6 +184,11 @@ MFSDP_API mfsdp_status_t mfsdp_ctx_reduce(mfsdp_ctx_h ctx, size_t group, const v
  * is mfsdp_ctx_reduce()). A param without gradient in a whole accumulation window is not
  * stepped and keeps its optimizer state, as torch's optimizers skip a param whose grad is
  * None. Every rank must pass the same flags.
+ *
+ * @p op and @p scalar are the job's reduce-scatter op; @p post is the divide the job applies
+ * to the collective's output afterwards (FSDP2's fp16 and force_sum paths, an MPI job's
+ * average), 1 when none: the owners' gradient is the op's result divided by @p post, and
+ * @p recvbuf gets the op's result, as the job's collective would return it.
  * @return as mfsdp_ctx_reduce(); MFSDP_ERR_INVALID_ARG for a flag on a param that does not
  *         require a gradient, MFSDP_ERR_MISMATCH when recvcount is not that subset's S'
  */
@@ -191,7 +196,7 @@ MFSDP_API mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group,
                                                  const unsigned char *has_grad, const void *sendbuf,
                                                  void *recvbuf, size_t recvcount,
                                                  mfsdp_dtype_t dtype, mfsdp_redop_t op,
-                                                 double scalar);
+                                                 double scalar, double post);
 
 /**
  * @brief HSDP: replaces the job's all-reduce of a group's reduce-scatter output over the

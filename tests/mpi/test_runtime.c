@@ -708,6 +708,7 @@ typedef struct train_cfg {
     mfsdp_redop_t op;
     int drop;     /* leave params out of reduces, as FSDP2 does for unused params */
     int schedule; /* a warmup-cosine lr schedule in the manifest */
+    double post;  /* the job's post-divide of the reduce output (0: none) */
 } train_cfg_t;
 
 /* Which params of group g have a gradient in micro-step mi: about a quarter of them drop out,
@@ -969,9 +970,34 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
                  * exactly the MPI calls of one that does not (no collective in the step). */
                 g_calls_total = g_calls_allreduce = 0;
                 g_counting = 1;
+                double post = tc->post > 0 ? tc->post : 1.0;
                 CHECK_OK(mfsdp_ctx_reduce_params(ctx, gg, tc->drop ? mask : NULL, in, out, l->count,
-                                                 l->wire, tc->op, sc));
+                                                 l->wire, tc->op, sc, post));
                 g_counting = 0;
+                /* The job's output: the collective's result (without its post-divide) on its
+                 * sharded-tail slices, zero where owners manage the bytes. */
+                for (size_t k = 0; k < l->n; k++) {
+                    mfsdp_param_view_t pv;
+                    CHECK_OK(mfsdp_ctx_get_param(ctx, m->groups[gg].params[l->idx[k]].name, &pv));
+                    int64_t first = g_rank * l->c[k], rows = l->rows[k] - first;
+                    rows = rows < 0 ? 0 : (rows > l->c[k] ? l->c[k] : rows);
+                    for (int64_t e = 0; e < l->c[k] * l->rest[k]; e++) {
+                        double got = get(out + l->o[k], l->wire, (size_t)e), want = 0.0;
+                        if (pv.owner == MFSDP_OWNER_SHARDED && e < rows * l->rest[k]) {
+                            want = reduced_ref(l, seed, gg, l->idx[k],
+                                               (size_t)(first * l->rest[k] + e), tc->op, sc,
+                                               micro_total);
+                        }
+                        double tol = pv.owner == MFSDP_OWNER_SHARDED
+                                         ? (l->wire == MFSDP_FLOAT32 ? 1e-5 : 2e-2)
+                                         : 0.0;
+                        if (fabs(got - want) > tol * (fabs(want) + 1e-2)) {
+                            CHECK(0, "%s: reduce output of %s element %lld: %g, want %g", what,
+                                  m->groups[gg].params[l->idx[k]].name, (long long)e, got, want);
+                            break;
+                        }
+                    }
+                }
                 if (tc->mode == MFSDP_STEP_EAGER && tc->accum > 1 && !tc->drop) {
                     if (mi == 0) {
                         calls_first[gg] = g_calls_total;
@@ -988,8 +1014,9 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
                     ref_param_t *q = &R[gg][l->idx[k]];
                     q->had = 1;
                     for (int64_t e = 0; e < q->numel; e++) {
-                        q->g[e] +=
-                            reduced_ref(l, seed, gg, l->idx[k], (size_t)e, tc->op, sc, micro_total);
+                        q->g[e] += reduced_ref(l, seed, gg, l->idx[k], (size_t)e, tc->op, sc,
+                                               micro_total) /
+                                   post;
                     }
                 }
             }
@@ -1363,7 +1390,7 @@ static void test_hsdp(uint64_t seed, mfsdp_tail_policy_t tail, int drop)
             char *in = rs_input(m, g, &l, seed, grank, step);
             char *out = malloc(l.S + 1), *red = malloc(l.S + 1);
             CHECK_OK(mfsdp_ctx_reduce_params(ctx, g, drop ? mask : NULL, in, out, l.count, l.wire,
-                                             MFSDP_OP_AVG, 1.0));
+                                             MFSDP_OP_AVG, 1.0, 1.0));
             CHECK_OK(mfsdp_ctx_replicate(ctx, g, out, red, l.count, l.wire, MFSDP_OP_AVG, 1.0));
             /* The job's view of the all-reduce: zero where owners manage the bytes, its
              * sharded-tail slices averaged over every rank, as its own all-reduce would. */
@@ -1511,6 +1538,11 @@ int main(int argc, char **argv)
          MFSDP_OP_AVG, 1, 0},
         {MFSDP_TAIL_JOB, MFSDP_ALGO_DIRECT, MFSDP_ALGO_CHAIN, MFSDP_STEP_MANUAL, 1, 0.0,
          MFSDP_OP_SUM, 0, 0},
+        /* the job post-divides its reduce output (FSDP2's fp16 / force_sum paths) */
+        {MFSDP_TAIL_SHARD, MFSDP_ALGO_CHAIN, MFSDP_ALGO_NATIVE, MFSDP_STEP_EAGER, 1, 0.0,
+         MFSDP_OP_SUM, 0, 0, 2.5},
+        {MFSDP_TAIL_JOB, MFSDP_ALGO_DIRECT, MFSDP_ALGO_DIRECT, MFSDP_STEP_LAZY, 2, 0.0,
+         MFSDP_OP_AVG, 1, 0, 1.5},
     };
     for (size_t c = 0; c < sizeof(cfgs) / sizeof(cfgs[0]); c++) {
         test_train(3000 + c, &cfgs[c]);

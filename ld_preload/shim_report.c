@@ -1,0 +1,117 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * What the shim says to the user: fatal errors (once for the job, not once per rank, and not
+ * as a WARN line: they stop the job) and the summary line at exit, with the end-of-job checks
+ * that keep a misconfigured job from exiting 0 with untrained weights.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "core/log.h"
+#include "ld_preload/shim.h"
+
+static pthread_mutex_t report_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Counters of released comms (their context is gone by exit). */
+static struct {
+    uint64_t calls, ag, rs, ar, passed, steps;
+    size_t comms;
+    int comm_size;
+    size_t groups;
+    int failed;
+} kept;
+
+int shim_quiet(void)
+{
+    const char *lvl = getenv("MFSDP_DEBUG");
+    return lvl != NULL && (strcasecmp(lvl, "NONE") == 0 || strcasecmp(lvl, "VERSION") == 0);
+}
+
+void shim_fatal(shim_comm_t *c, int agreed, mfsdp_status_t st, const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    MFSDP_INFO(SHIM, "fatal (%s): %s", agreed ? "every rank" : "this rank", msg);
+    if (c->failed) {
+        return; /* the first error stands: it was printed */
+    }
+    c->failed = 1;
+    c->fail_status = st;
+    snprintf(c->why, sizeof(c->why), "%s", msg);
+    if (shim_quiet() || (agreed && c->rank != 0)) {
+        return;
+    }
+    if (agreed) {
+        fprintf(stderr, "mfsdp: error: %s [every rank of the %d-rank communicator stopped]\n", msg,
+                c->size);
+    } else {
+        fprintf(stderr, "mfsdp: error on rank %d of %d: %s\n", c->rank, c->size, msg);
+    }
+    fflush(stderr);
+}
+
+void shim_report_keep(const shim_comm_t *c)
+{
+    pthread_mutex_lock(&report_lock);
+    kept.calls += c->calls;
+    kept.ag += c->remapped_ag;
+    kept.rs += c->remapped_rs;
+    kept.ar += c->remapped_ar;
+    kept.passed += c->passed;
+    kept.failed |= c->failed;
+    if (c->ctx != NULL) {
+        mfsdp_ctx_stats_t s;
+        if (mfsdp_ctx_get_stats(c->ctx, &s) == MFSDP_OK) {
+            kept.steps += s.steps;
+        }
+        kept.comms++;
+        kept.comm_size = c->size;
+        kept.groups = c->man != NULL ? c->man->ngroups : 0;
+    }
+    pthread_mutex_unlock(&report_lock);
+}
+
+int shim_report_exit(int world_rank)
+{
+    const mfsdp_config_t *cfg = shim_config();
+    int manifest = cfg != NULL && cfg->manifest_set;
+    int fail = kept.failed;
+    uint64_t remapped = kept.ag + kept.rs + kept.ar;
+    char what[256];
+    if (shim_recording()) {
+        snprintf(what, sizeof(what), "recording to %s (pass-through)", cfg->record);
+    } else if (manifest) {
+        snprintf(what, sizeof(what), "manifest %s", cfg->manifest);
+    } else if (kept.comms > 0) {
+        snprintf(what, sizeof(what), "tagged by the PyTorch companion");
+    } else {
+        snprintf(what, sizeof(what), "no MFSDP_MANIFEST: every call passed through");
+    }
+    if (world_rank == 0 && !shim_quiet()) {
+        fprintf(stderr,
+                "mfsdp: summary: %llu all-gathers, %llu reduce-scatters and %llu replicate "
+                "all-reduces remapped on %zu communicator%s%s, %llu calls passed through, "
+                "%llu optimizer steps over %zu groups; %s\n",
+                (unsigned long long)kept.ag, (unsigned long long)kept.rs,
+                (unsigned long long)kept.ar, kept.comms, kept.comms == 1 ? "" : "s", "",
+                (unsigned long long)kept.passed, (unsigned long long)kept.steps, kept.groups, what);
+    }
+    /* A manifest that matched nothing trained nothing: the job must not exit 0. */
+    if (manifest && !shim_recording() && !fail && kept.calls > 0 && remapped == 0) {
+        if (world_rank == 0 && !shim_quiet()) {
+            fprintf(stderr,
+                    "mfsdp: error: none of the job's %llu all-gathers and reduce-scatters "
+                    "matched the manifest %s: nothing was trained by mfsdp (check its "
+                    "world_size and groups against the job)\n",
+                    (unsigned long long)kept.calls, cfg->manifest);
+        }
+        fail = 1;
+    }
+    fflush(stderr);
+    return fail;
+}
