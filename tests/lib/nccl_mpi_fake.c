@@ -11,6 +11,8 @@
  * - Buffers are host pointers; the stream argument is ignored and every call has completed
  *   when it returns (as if the stream were synchronized).
  * - The job calls MPI_Init itself (NCCL jobs use MPI only to broadcast the unique id).
+ *   The library's own traffic goes through the PMPI_ names: it stands in for NCCL, which uses
+ *   no MPI, so an MPI interposer (the shim's MPI front-end, a tracing tool) must not see it.
  *   ncclCommInitRank splits MPI_COMM_WORLD by a hash of the unique id, so it is collective
  *   over MPI_COMM_WORLD: every process of the job must create its communicators in the same
  *   order (true of FSDP/HSDP jobs, not of arbitrary subset communicators).
@@ -558,7 +560,7 @@ static ncclResult_t exec_allgather(const fake_call_t *c)
     int ib = (int)bytes;
     if (c->send == recv + (size_t)comm->rank * bytes)
         return mpi_result(
-            MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, ib, MPI_BYTE, comm->mpi),
+            PMPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, ib, MPI_BYTE, comm->mpi),
             "MPI_Allgather");
     const void *send = c->send;
     void *tmp = NULL;
@@ -571,7 +573,7 @@ static ncclResult_t exec_allgather(const fake_call_t *c)
         memcpy(tmp, send, bytes);
         send = tmp;
     }
-    ncclResult_t res = mpi_result(MPI_Allgather(send, ib, MPI_BYTE, recv, ib, MPI_BYTE, comm->mpi),
+    ncclResult_t res = mpi_result(PMPI_Allgather(send, ib, MPI_BYTE, recv, ib, MPI_BYTE, comm->mpi),
                                   "MPI_Allgather");
     free(tmp);
     return res;
@@ -606,7 +608,7 @@ static ncclResult_t exec_reduce_scatter(const fake_call_t *c)
     }
     if (tmp != NULL)
         send = tmp;
-    res = mpi_result(MPI_Reduce_scatter_block(send, c->recv, (int)c->count, type, mop, comm->mpi),
+    res = mpi_result(PMPI_Reduce_scatter_block(send, c->recv, (int)c->count, type, mop, comm->mpi),
                      "MPI_Reduce_scatter_block");
     free(tmp);
     if (res == ncclSuccess && c->op == ncclAvg)
@@ -641,7 +643,7 @@ static ncclResult_t exec_allreduce(const fake_call_t *c)
         }
     }
     const void *send = inplace ? MPI_IN_PLACE : tmp != NULL ? tmp : c->send;
-    res = mpi_result(MPI_Allreduce(send, c->recv, (int)c->count, type, mop, comm->mpi),
+    res = mpi_result(PMPI_Allreduce(send, c->recv, (int)c->count, type, mop, comm->mpi),
                      "MPI_Allreduce");
     free(tmp);
     if (res == ncclSuccess && c->op == ncclAvg)
@@ -675,7 +677,7 @@ static ncclResult_t exec_reduce(const fake_call_t *c)
             send = tmp;
     }
     res = mpi_result(
-        MPI_Reduce(send, is_root ? c->recv : NULL, (int)c->count, type, mop, c->root, comm->mpi),
+        PMPI_Reduce(send, is_root ? c->recv : NULL, (int)c->count, type, mop, c->root, comm->mpi),
         "MPI_Reduce");
     free(tmp);
     if (res == ncclSuccess && is_root && c->op == ncclAvg)
@@ -689,7 +691,7 @@ static ncclResult_t exec_broadcast(const fake_call_t *c)
     size_t bytes = c->count * dtype_size(c->dtype);
     if (comm->rank == c->root && c->send != c->recv)
         memmove(c->recv, c->send, bytes);
-    return mpi_result(MPI_Bcast(c->recv, (int)bytes, MPI_BYTE, c->root, comm->mpi), "MPI_Bcast");
+    return mpi_result(PMPI_Bcast(c->recv, (int)bytes, MPI_BYTE, c->root, comm->mpi), "MPI_Bcast");
 }
 
 static ncclResult_t exec_collective(const fake_call_t *c)
@@ -732,11 +734,11 @@ static ncclResult_t exec_calls(const fake_call_t *calls, size_t n)
         int bytes = (int)(c->count * dtype_size(c->dtype));
         if (c->kind == FAKE_RECV)
             res = mpi_result(
-                MPI_Irecv(c->recv, bytes, MPI_BYTE, c->root, 0, c->comm->mpi, &reqs[nreq++]),
+                PMPI_Irecv(c->recv, bytes, MPI_BYTE, c->root, 0, c->comm->mpi, &reqs[nreq++]),
                 "MPI_Irecv");
         else if (c->kind == FAKE_SEND)
             res = mpi_result(
-                MPI_Isend(c->send, bytes, MPI_BYTE, c->root, 0, c->comm->mpi, &reqs[nreq++]),
+                PMPI_Isend(c->send, bytes, MPI_BYTE, c->root, 0, c->comm->mpi, &reqs[nreq++]),
                 "MPI_Isend");
     }
     for (size_t i = 0; i < n && res == ncclSuccess; i++)
@@ -744,7 +746,7 @@ static ncclResult_t exec_calls(const fake_call_t *calls, size_t n)
             res = exec_collective(&calls[i]);
     if (nreq > 0) {
         ncclResult_t wres =
-            mpi_result(MPI_Waitall((int)nreq, reqs, MPI_STATUSES_IGNORE), "MPI_Waitall");
+            mpi_result(PMPI_Waitall((int)nreq, reqs, MPI_STATUSES_IGNORE), "MPI_Waitall");
         if (res == ncclSuccess)
             res = wres;
     }
@@ -862,13 +864,13 @@ static ncclResult_t comm_wrap(MPI_Comm mpi, int nranks, int rank, const ncclUniq
         fake_warn("ncclCommInitRank: %d ranks joined the id (expected %d) and rank %d sits at "
                   "position %d: inconsistent nranks/rank or an id hash collision",
                   size, nranks, rank, me);
-        MPI_Comm_free(&mpi);
+        PMPI_Comm_free(&mpi);
         return ncclInvalidUsage;
     }
     ncclComm_t comm = calloc(1, sizeof(*comm));
     if (comm == NULL) {
         fake_warn("out of host memory");
-        MPI_Comm_free(&mpi);
+        PMPI_Comm_free(&mpi);
         return ncclSystemError;
     }
     comm->mpi = mpi;
@@ -899,8 +901,8 @@ FAKE_EXPORT ncclResult_t pncclCommInitRankConfig(ncclComm_t *comm, int nranks, n
         return ncclInvalidArgument;
     }
     MPI_Comm mpi;
-    ncclResult_t res =
-        mpi_result(MPI_Comm_split(MPI_COMM_WORLD, id_color(&commId), rank, &mpi), "MPI_Comm_split");
+    ncclResult_t res = mpi_result(PMPI_Comm_split(MPI_COMM_WORLD, id_color(&commId), rank, &mpi),
+                                  "MPI_Comm_split");
     if (res != ncclSuccess)
         return res;
     /* Everyone who joined must hold the same id: a hash collision would merge two comms. */
@@ -909,11 +911,11 @@ FAKE_EXPORT ncclResult_t pncclCommInitRankConfig(ncclComm_t *comm, int nranks, n
     char *ids = malloc((size_t)size * sizeof(commId.internal));
     if (ids == NULL) {
         fake_warn("out of host memory");
-        MPI_Comm_free(&mpi);
+        PMPI_Comm_free(&mpi);
         return ncclSystemError;
     }
-    res = mpi_result(MPI_Allgather(commId.internal, (int)sizeof(commId.internal), MPI_BYTE, ids,
-                                   (int)sizeof(commId.internal), MPI_BYTE, mpi),
+    res = mpi_result(PMPI_Allgather(commId.internal, (int)sizeof(commId.internal), MPI_BYTE, ids,
+                                    (int)sizeof(commId.internal), MPI_BYTE, mpi),
                      "MPI_Allgather");
     for (int i = 0; i < size && res == ncclSuccess; i++)
         if (memcmp(ids + (size_t)i * sizeof(commId.internal), commId.internal,
@@ -923,7 +925,7 @@ FAKE_EXPORT ncclResult_t pncclCommInitRankConfig(ncclComm_t *comm, int nranks, n
         }
     free(ids);
     if (res != ncclSuccess) {
-        MPI_Comm_free(&mpi);
+        PMPI_Comm_free(&mpi);
         return res;
     }
     return comm_wrap(mpi, nranks, rank, &commId, comm);
@@ -949,7 +951,7 @@ FAKE_EXPORT ncclResult_t pncclCommSplit(ncclComm_t comm, int color, int key, ncc
     }
     MPI_Comm mpi;
     res = mpi_result(
-        MPI_Comm_split(comm->mpi, color == NCCL_SPLIT_NOCOLOR ? MPI_UNDEFINED : color, key, &mpi),
+        PMPI_Comm_split(comm->mpi, color == NCCL_SPLIT_NOCOLOR ? MPI_UNDEFINED : color, key, &mpi),
         "MPI_Comm_split");
     if (res != ncclSuccess)
         return res;
@@ -968,7 +970,7 @@ static ncclResult_t comm_free(ncclComm_t comm, const char *fn)
 {
     if (comm == NULL)
         return ncclSuccess; /* NCCL accepts NULL here */
-    ncclResult_t res = mpi_result(MPI_Comm_free(&comm->mpi), fn);
+    ncclResult_t res = mpi_result(PMPI_Comm_free(&comm->mpi), fn);
     free(comm);
     return res;
 }

@@ -7,11 +7,20 @@
                  ends with weights equal to the single-process full-matrix Muon + AdamW
                  reference (--reference --optim muon-gather --emulate-world N) within 1e-5
                  relative per tensor, and so do its loss traces.
-  passthrough N  with a manifest that does not match (world size N+1), and with no
-                 manifest at all, the job under the shim is bitwise identical to the job
-                 without it (weights and loss trace).
+  passthrough N  with no MFSDP_* variable at all the job under the shim is bitwise identical
+                 to the job without it (weights and loss trace), and the summary line says
+                 that every call passed through.
+  silent N       never silent: a manifest of another world size, MFSDP_* variables without a
+                 manifest, a misspelled MFSDP_* name, and one rank with another MFSDP_TAIL
+                 each stop the job with a non-zero exit and ONE error line naming the
+                 problem, within the test's timeout (no hang), and no weights written.
   violation N    a manifest whose sequence the job contradicts: non-zero exit, an error
                  naming expected vs received, and no weights written.
+  mode N         the job in one of its FSDP2 situations (fsdp_train_check.CASES: unused
+                 params, accumulation, eval passes, torchtitan wrapping, divides, HSDP,
+                 schedules, clipping), its own manifest, its AdamW run under the shim: equal
+                 to the single-process Muon reference of the same mode (1e-5), loss traces
+                 too; with --tail job the job's AdamW trains the tail itself.
   record N       groups with one signature and no sequence are refused with a message that
                  points at MFSDP_RECORD; MFSDP_RECORD runs pass-through (bitwise unchanged),
                  `mfsdp-plan --record` joins the record into the job's exact call sequence,
@@ -105,6 +114,33 @@ def cmd_muon(args, tmp):
 
 
 def cmd_passthrough(args, tmp):
+    extra = STEPS + ["--optim", "adamw"]
+    base, base_text = run_job(args, tmp, "plain", extra, {})
+    w, text = run_job(args, tmp, "nomanifest", extra, {"LD_PRELOAD": args.preload})
+    ftc.compare(w, base, 0.0, "pass-through (no MFSDP_* variable) vs no shim")
+    if ftc.losses(text) != ftc.losses(base_text):
+        raise SystemExit("FAIL: pass-through changed the loss trace")
+    if "mfsdp: summary:" not in text or "every call passed through" not in text:
+        sys.stdout.write(text[-2000:])
+        raise SystemExit("FAIL: no summary line saying that every call passed through")
+    print("ok: the summary line says every call passed through")
+
+
+def expect_one_error(proc, weights, needles, what):
+    """Non-zero exit, the needles in the output, exactly one 'mfsdp: error' line, no
+    weights (the test's subprocess timeout catches a hang)."""
+    expect_failure(proc, weights, needles, what)
+    lines = [ln for ln in proc.stdout.splitlines() if "mfsdp: error" in ln]
+    if len(lines) != 1:
+        sys.stdout.write(proc.stdout[-3000:])
+        raise SystemExit(f"FAIL: {what}: {len(lines)} 'mfsdp: error' lines, want exactly one")
+    if " WARN " in lines[0]:
+        raise SystemExit(f"FAIL: {what}: the error is printed as a WARN line")
+    print(f"ok: {what}: one error line: {lines[0][:160]}")
+
+
+def cmd_silent(args, tmp):
+    import subprocess
     manifest = write_manifest(args, tmp)
     with open(manifest) as f:
         m = json.load(f)
@@ -113,12 +149,33 @@ def cmd_passthrough(args, tmp):
     with open(other, "w") as f:
         json.dump(m, f)
     extra = STEPS + ["--optim", "adamw"]
-    base, base_text = run_job(args, tmp, "plain", extra, {})
-    for tag, vars_ in [("mismatch", preload_vars(args, other)), ("nomanifest", preload_vars(args))]:
-        w, text = run_job(args, tmp, tag, extra, vars_)
-        ftc.compare(w, base, 0.0, f"pass-through ({tag}) vs no shim")
-        if ftc.losses(text) != ftc.losses(base_text):
-            raise SystemExit(f"FAIL: pass-through ({tag}) changed the loss trace")
+    w, proc = run_job(args, tmp, "worldsize", extra, preload_vars(args, other), expect_ok=False)
+    expect_one_error(proc, w, [f"is for {args.np + 1} ranks", f"communicator of {args.np}",
+                               "nothing would be trained"], "manifest of another world size")
+    w, proc = run_job(args, tmp, "nomanifest", extra,
+                      {"LD_PRELOAD": args.preload, "MFSDP_GRAD_DIVIDE": "world"}, expect_ok=False)
+    expect_one_error(proc, w, ["MFSDP_GRAD_DIVIDE is set but MFSDP_MANIFEST is not"],
+                     "MFSDP_* variables without a manifest")
+    w, proc = run_job(args, tmp, "misspelled", extra,
+                      {"LD_PRELOAD": args.preload, "MFSDP_MANIFST": manifest}, expect_ok=False)
+    expect_one_error(proc, w, ["unknown variable MFSDP_MANIFST", "did you mean MFSDP_MANIFEST"],
+                     "a misspelled variable")
+    # One rank with another MFSDP_TAIL: mpirun's MPMD form gives the last rank its own value.
+    out = os.path.join(tmp, "rankdiff.bin")
+    env = shim_env(args, LD_PRELOAD=args.preload, MFSDP_MANIFEST=manifest)
+    base = [exe_of(args)] + ftc.COMMON + extra + ["--dump-weights", out]
+    cmd = [args.mpirun] + ftc.MPIRUN_FLAGS
+    if args.np > 1:
+        cmd += ["-np", str(args.np - 1), "-x", "LD_PRELOAD", "-x", "MFSDP_MANIFEST",
+                "-x", "MFSDP_TAIL=shard"] + base + [":"]
+    cmd += ["-np", "1", "-x", "LD_PRELOAD", "-x", "MFSDP_MANIFEST", "-x", "MFSDP_TAIL=owner"] + base
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=150, env=env)
+    with open(out + ".log", "w") as f:
+        f.write(" ".join(cmd) + "\n" + proc.stdout)
+    if args.np > 1:
+        expect_one_error(proc, out, ["MFSDP_TAIL differs across ranks", "'shard' on rank",
+                                     "'owner' on rank"], "one rank with another MFSDP_TAIL")
 
 
 def expect_failure(proc, weights, needles, what):
@@ -146,9 +203,8 @@ def cmd_violation(args, tmp):
         json.dump(m, f)
     w, proc = run_job(args, tmp, "violated", STEPS + ["--optim", "adamw"],
                       preload_vars(args, bad), expect_ok=False)
-    expect_failure(proc, w, ["call sequence violated", "expected reduce_scatter(count=",
-                             "of group blocks.0, received reduce_scatter(count="],
-                   "sequence violation")
+    expect_one_error(proc, w, ["expected reduce_scatter(count=", "of group blocks.0",
+                               "received reduce_scatter(count="], "sequence violation")
 
 
 def cmd_record(args, tmp):
@@ -179,9 +235,39 @@ def cmd_record(args, tmp):
     check_reference(args, tmp, w, text)
 
 
+def cmd_mode(args, tmp):
+    flags = ftc.CASES[args.case] + ["--steps", str(ftc.MODE_STEPS)]
+    path = os.path.join(tmp, "manifest.json")
+    cmd = mpirun(args, {}) + [exe_of(args)] + ftc.COMMON + ftc.CASES[args.case] + [
+        "--steps", "0", "--optim", "none", "--write-manifest", path]
+    ftc.run(cmd, path + ".log")
+    extra = {"MFSDP_TAIL": "job"} if args.tail_job else {}
+    w, text = run_job(args, tmp, "shim", flags + ["--optim", "adamw"],
+                      preload_vars(args, path, **extra))
+    ref = os.path.join(tmp, "reference.bin")
+    ref_text = ftc.reference(args, args.np, flags + ["--optim", "muon-gather"], ref)
+    what = (f"{args.case} under the shim ({args.flavour}, {args.np} ranks"
+            f"{', tail job' if args.tail_job else ''}) vs full-matrix Muon")
+    ftc.compare(w, ref, ftc.TOL, what)
+    a, b = ftc.losses(text), ftc.losses(ref_text)
+    if len(a) != ftc.MODE_STEPS or len(a) != len(b):
+        raise SystemExit(f"FAIL: {len(a)} and {len(b)} loss lines")
+    for x, y in zip(a, b):
+        if abs(float(x) - float(y)) > ftc.TOL * max(1.0, abs(float(y))):
+            raise SystemExit(f"FAIL: loss traces differ: {x} vs {y}")
+    if "mfsdp: summary:" not in text:
+        raise SystemExit("FAIL: no summary line")
+    summary = [ln for ln in text.splitlines() if "mfsdp: summary:" in ln][0]
+    print(f"ok: loss traces agree ({a[-1]} vs {b[-1]}); {summary[15:]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("case", choices=["muon", "passthrough", "violation", "record"])
+    ap.add_argument("case", choices=["muon", "passthrough", "silent", "violation", "record",
+                                     "mode"])
+    ap.add_argument("--case", dest="mode_case", choices=sorted(ftc.CASES),
+                    help="mode: the fsdp_train situation")
+    ap.add_argument("--tail-job", action="store_true", help="mode: MFSDP_TAIL=job")
     ap.add_argument("--np", type=int, required=True)
     ap.add_argument("--flavour", choices=["mpi", "nccl"], default="mpi")
     ap.add_argument("--mpirun", required=True)
@@ -196,8 +282,11 @@ def main():
     if args.flavour == "nccl" and not args.nccl_exe:
         raise SystemExit("FAIL: fsdp_train_nccl was not built")
     with tempfile.TemporaryDirectory(prefix="mfsdp-shim-") as tmp:
-        {"muon": cmd_muon, "passthrough": cmd_passthrough, "violation": cmd_violation,
-         "record": cmd_record}[args.case](args, tmp)
+        args.command = args.case
+        args.case = args.mode_case
+        {"muon": cmd_muon, "passthrough": cmd_passthrough, "silent": cmd_silent,
+         "violation": cmd_violation, "record": cmd_record,
+         "mode": cmd_mode}[args.command](args, tmp)
     print("PASS")
 
 
