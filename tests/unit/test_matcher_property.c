@@ -911,7 +911,7 @@ int main(int argc, char **argv)
     size_t silent_invalid = 0, silent_ambig = 0, silent_labels = 0;
     size_t routed_before_stop = 0, misrouted_before_stop = 0;
     size_t per_kind[NCORRUPT][3] = {{0}};
-    size_t examples = 0;
+    int example_shown[NCORRUPT] = {0};
     static pu_call_t cc[MAXCALLS + 2];
     for (size_t c = 0; c < ncases; c++) {
         size_t bi = rnd_below(nbases);
@@ -956,7 +956,7 @@ int main(int argc, char **argv)
         } else {
             indist++;
             per_kind[kind][2]++;
-            if (examples < 3) {
+            if (!example_shown[kind]) {
                 size_t i = 0;
                 while (lm[i] == lt[i]) {
                     i++;
@@ -967,7 +967,7 @@ int main(int argc, char **argv)
                 printf("  indistinguishable example (%s; %s): call %zu is truly %s; the corrupted "
                        "stream is a valid stream of the manifest in which it is %s\n",
                        b->name, what, i, a, z);
-                examples++;
+                example_shown[kind] = 1;
             }
         }
     }
