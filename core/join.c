@@ -230,18 +230,18 @@ static void model_text(const mfsdp_manifest_t *m, model_t *md)
 /* The configuration space, FSDP2's defaults first: (root, root resharded after forward,
  * number of last groups kept unsharded after forward; NONE: every group), each with backward
  * prefetch 1 and 0. These are the wrappings seen in practice: FSDP2's default, a root that
- * reshards, reshard_after_forward=False everywhere, a root model whose last block is kept
- * (torchtitan's optimization), torchtitan's wrapping (no root; the [norm, output] group kept,
- * and in older releases the last block too). Not more: each further configuration is one more
- * way to read a record, and a record that two readings label differently is refused. */
+ * reshards, reshard_after_forward=False everywhere, torchtitan's wrapping (no root; the
+ * [norm, output] group kept, and in older releases the last block too), and without a root
+ * every group resharded. Not more: each further configuration is one more way to read a
+ * record, and a record that two readings label differently is refused (a root model that
+ * keeps its last block, for one, reads a 2-block default record as eval + training). */
 static mfsdp_status_t models_build(const mfsdp_manifest_t *m, model_t **models_p, size_t *n_p)
 {
     static const struct {
         int root, rr;
         size_t keep;
     } space[] = {
-        {1, 0, 0}, {1, 1, 0}, {1, 0, 1}, {1, 0, NONE},
-        {0, 0, 1}, {0, 0, 2}, {0, 0, 0}, {0, 0, NONE},
+        {1, 0, 0}, {1, 1, 0}, {1, 0, NONE}, {0, 0, 1}, {0, 0, 2}, {0, 0, 0}, {0, 0, NONE},
     };
     size_t G = m->ngroups, n = 0, nspace = sizeof(space) / sizeof(space[0]);
     model_t *models = calloc(2 * nspace + 1, sizeof(*models));
@@ -983,7 +983,8 @@ static mfsdp_status_t build_output(jctx_t *c, int world, const model_t *md, cons
     MFSDP_CHECK_GOTO(check_result(c, world, label, seq, nseq, it, &ok, msg_v, sizeof(msg_v)), st,
                      out);
     if (!ok) {
-        SETERR("record: the joined sequence would stop the job: %s", msg_v);
+        /* the periodic form is the one meant for this record when there is one */
+        SETERR("record: the joined sequence would stop the job: %s", msg_p[0] ? msg_p : msg_v);
         st = MFSDP_ERR_MISMATCH;
         goto out;
     }
@@ -1094,7 +1095,8 @@ mfsdp_status_t mfsdp_record_join(const mfsdp_manifest_t *m, int world, const mfs
         mfsdp_call_sig_format(&c.calls[conflict].sig, sb, sizeof(sb));
         if (cm[0] == cm[1]) {
             SETERR("record: comms[%zu].calls[%zu] %s is group %s or group %s under the same "
-                   "FSDP2 pattern (%s), depending on which reduce_scatter is missing: the record "
+                   "FSDP2 pattern (%s): two readings of the passes label it differently (a "
+                   "no-sync pass reads like two forward-only passes, for example): the record "
                    "does not determine the groups; run under the PyTorch companion (mfsdp-run), "
                    "whose tags are exact",
                    c.comm, conflict, sb, m->groups[cg[0]].name, m->groups[cg[1]].name,

@@ -475,8 +475,8 @@ static mfsdp_status_t next_sequence(mfsdp_matcher_t *mt, const mfsdp_call_sig_t 
     if (ncand == 0) {
         char eb[700];
         expected_text(mt, eb, sizeof(eb));
-        snprintf(mt->fail_msg, sizeof(mt->fail_msg), "call %zu: expected %s, received %s",
-                 mt->ncalls, eb, rb);
+        snprintf(mt->fail_msg, sizeof(mt->fail_msg),
+                 "call %zu: call sequence violated: expected %s, received %s", mt->ncalls, eb, rb);
         return fail(mt, MFSDP_ERR_SEQUENCE, err, errlen);
     }
     if (ncand == 2) {

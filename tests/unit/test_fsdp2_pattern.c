@@ -232,6 +232,8 @@ Test(fsdp2_pattern, kept_unsharded_groups_and_single_group)
 static void check_fsdp_train(const char *dims, int prefetch)
 {
 #if MFSDP_HAVE_BLAS && MFSDP_HAVE_MPI
+    cr_assert_eq(access(FSDP_TRAIN, X_OK), 0, "%s is not built (ninja -C the build folder)",
+                 FSDP_TRAIN);
     char path[] = "/tmp/mfsdp-fsdp2-pattern-XXXXXX";
     int fd = mkstemp(path);
     cr_assert_geq(fd, 0);

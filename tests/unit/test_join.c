@@ -377,6 +377,30 @@ Test(join, two_configurations_label_differently)
     mfsdp_manifest_free(m);
 }
 
+Test(join, two_readings_of_one_configuration_refused)
+{
+    /* With a root that reshards after forward, a no-sync pass (AG root b0 b1 b2 root b2 b1
+     * b0) reads like two forward-only passes (AG root b0 b1 b2, AG root b0 b1 b2), with other
+     * groups for the block all-gathers. */
+    mfsdp_manifest_t *m = fsdp_train_like(3);
+    static const unsigned char all[4] = {1, 1, 1, 1};
+    mfsdp_fsdp2_config_t cfg = {.root = 1, .prefetch = 1, .reshard = all};
+    size_t n = gen(m, &cfg, "NT NT", NULL, NULL);
+    const char *parts[] = {"record: comms[1].calls[5] allgather(count=38, float32) is group b2 or "
+                           "group b0 under the same FSDP2 pattern (root root resharded after "
+                           "forward",
+                           "two readings of the passes", NULL};
+    join_refused(m, n, parts);
+    /* the same job without accumulation joins */
+    n = gen(m, &cfg, "T T T", NULL, NULL);
+    mfsdp_join_t *j = join_ok(m, n);
+    expect_sequence(m, j,
+                    "AG root AG b0 AG b1 AG b2 AG root AG b2 AG b1 RS b2 AG b0 RS b1 RS b0 "
+                    "RS root");
+    mfsdp_join_free(j);
+    mfsdp_manifest_free(m);
+}
+
 Test(join, other_refusals)
 {
     mfsdp_manifest_t *m = fsdp_train_like(3);

@@ -217,15 +217,17 @@ Test(matcher, sequence_violated)
     mfsdp_manifest_t *m = manifest(GROUPS3, NULL, SEQ_DEFAULT);
     mfsdp_matcher_t *mt = matcher(m, 2);
     feed(mt, T_CALLS, T_GROUPS, T_N);
-    const char *parts[] = {"call 11: expected allgather(count=22, float32) of group root",
-                           "received reduce_scatter(count=15, float32)", NULL};
+    const char *parts[] = {
+        "call 11: call sequence violated: expected allgather(count=22, float32) of group root",
+        "received reduce_scatter(count=15, float32)", NULL};
     expect_error(mt, rs(15), parts);
     mfsdp_matcher_destroy(mt);
     /* a dropped call: the next block all-gather comes where a reduce-scatter is expected */
     mt = matcher(m, 2);
     feed(mt, T_CALLS, T_GROUPS, 6);
-    const char *parts2[] = {"call 6: expected reduce_scatter(count=15, float32) of group b2",
-                            "received allgather(count=15, float32)", NULL};
+    const char *parts2[] = {
+        "call 6: call sequence violated: expected reduce_scatter(count=15, float32) of group b2",
+        "received allgather(count=15, float32)", NULL};
     expect_error(mt, ag(15), parts2);
     mfsdp_matcher_destroy(mt);
     mfsdp_manifest_free(m);
@@ -319,8 +321,9 @@ Test(matcher, optional_entry_and_no_sync_passes)
     m = manifest(GROUPS3, NULL, SEQ_ROOT_OPTIONAL);
     mt = matcher(m, 2);
     feed(mt, n_calls, n_groups, 6);
-    const char *parts[] = {"call 6: expected reduce_scatter(count=15, float32) of group b2",
-                           "received allgather(count=15, float32)", NULL};
+    const char *parts[] = {
+        "call 6: call sequence violated: expected reduce_scatter(count=15, float32) of group b2",
+        "received allgather(count=15, float32)", NULL};
     expect_error(mt, ag(15), parts);
     mfsdp_matcher_destroy(mt);
     mfsdp_manifest_free(m);
@@ -397,7 +400,8 @@ Test(matcher, large_group_and_mixed_dtypes)
     }
     next_ok(mt, s);
     r.count = full - 1 - 2 - 4 - 8; /* four missing: not looked for */
-    const char *parts[] = {"call 3: expected reduce_scatter(count=16383, float32) of group big",
+    const char *parts[] = {"call 3: call sequence violated: expected reduce_scatter(count=16383, "
+                           "float32) of group big",
                            NULL};
     expect_error(mt, r, parts);
     mfsdp_matcher_destroy(mt);

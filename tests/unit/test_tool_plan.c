@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The mfsdp-plan tool, run as a child process: the table, JSON identical to the library's
- * plan, environment defaults, --env, and one-line errors with exit codes 1 and 2.
+ * plan, environment defaults, --env, one-line errors with exit codes 1 and 2, and the record
+ * join (--record --write-manifest).
  */
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
@@ -14,6 +15,7 @@
 #include <unistd.h>
 
 #include "mfsdp/plan.h"
+#include "pattern_util.h"
 
 #define TOOL MFSDP_BUILD_ROOT "/tools/mfsdp-plan"
 #define EX8B MFSDP_SOURCE_ROOT "/examples/models/llama3-8b.json"
@@ -293,4 +295,136 @@ ParameterizedTest(bad_case_t *c, tool_plan, bad_input)
     cr_assert_eq(strncmp(r.err, "mfsdp-plan: ", 12), 0, "%s", r.err);
     cr_assert_not_null(strstr(r.err, c->expect), "'%s': stderr: %s", c->args, r.err);
     run_free(&r);
+}
+
+/* ---- --record: the join writes sequence and iteration variants ------------------------ */
+
+/* root + blocks of a fsdp_train-like job; blocks: 0 gives root + one block of another size */
+static void write_join_manifest(const char *path, int blocks)
+{
+    char json[8192];
+    size_t off = (size_t)snprintf(
+        json, sizeof(json),
+        "{\"format\": \"mfsdp-manifest/1\", \"world_size\": 2, \"groups\": [{\"name\": "
+        "\"root\", \"params\": [{\"name\": \"embed\", \"shape\": [10, 4], \"dtype\": "
+        "\"float32\"}, {\"name\": \"norm\", \"shape\": [4], \"dtype\": \"float32\"}]}");
+    for (int l = 0; l < blocks; l++) {
+        off += (size_t)snprintf(json + off, sizeof(json) - off,
+                                ", {\"name\": \"blocks.%d\", \"params\": [{\"name\": "
+                                "\"blocks.%d.w\", \"shape\": [6, 4], \"dtype\": \"float32\"}, "
+                                "{\"name\": \"blocks.%d.b\", \"shape\": [6], \"dtype\": "
+                                "\"float32\"}]}",
+                                l, l, l);
+    }
+    snprintf(json + off, sizeof(json) - off, "]}");
+    write_file(path, json);
+}
+
+/* The record of passes (kinds as for pu_stream) of FSDP2's default wrapping; extra: a foreign
+ * all-gather count inserted at call 5 (0: none). */
+static void write_join_record(const char *manifest_path, const char *path, const char *kinds,
+                              size_t extra)
+{
+    mfsdp_manifest_t *m = NULL;
+    char err[512] = "";
+    cr_assert_eq(mfsdp_manifest_load(manifest_path, err, sizeof(err), &m), MFSDP_OK, "%s", err);
+    static pu_call_t calls[512];
+    size_t n = 0;
+    mfsdp_fsdp2_config_t cfg = {.root = 1, .prefetch = 1, .reshard = NULL};
+    cr_assert_eq(pu_stream(m, 2, &cfg, kinds, NULL, NULL, calls, 511, &n), MFSDP_OK);
+    if (extra != 0) {
+        memmove(&calls[6], &calls[5], (n - 5) * sizeof(calls[0]));
+        calls[5].sig = (mfsdp_call_sig_t){MFSDP_CALL_ALLGATHER, extra, MFSDP_FLOAT32};
+        n++;
+    }
+    mfsdp_record_t *rec = pu_record(calls, n, 2);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    cr_assert_eq(mfsdp_record_write(rec, f), MFSDP_OK);
+    fclose(f);
+    mfsdp_record_free(rec);
+    mfsdp_manifest_free(m);
+}
+
+/* Run --record and return the written manifest's "sequence" as "AG root AG blocks.0 ... " with
+ * '?' on optional entries, and its iteration in *it. */
+static void join_with_tool(const char *kinds, int blocks, const char *want_seq,
+                           mfsdp_iteration_t want_it)
+{
+    char mp[64], rp[64], op[64];
+    snprintf(mp, sizeof(mp), "/tmp/mfsdp-tool-join-m-%d.json", (int)getpid());
+    snprintf(rp, sizeof(rp), "/tmp/mfsdp-tool-join-r-%d.json", (int)getpid());
+    snprintf(op, sizeof(op), "/tmp/mfsdp-tool-join-o-%d.json", (int)getpid());
+    write_join_manifest(mp, blocks);
+    write_join_record(mp, rp, kinds, 0);
+    const char *args[] = {mp, "--world-size", "2", "--record", rp, "--write-manifest", op, NULL};
+    run_result_t r = run_tool(args, NULL);
+    cr_assert_eq(r.rc, 0, "stderr: %s", r.err);
+    cr_assert_str_empty(r.err);
+    mfsdp_manifest_t *m = NULL;
+    char err[512] = "";
+    cr_assert_eq(mfsdp_manifest_load(op, err, sizeof(err), &m), MFSDP_OK, "%s", err);
+    char got[4096] = "";
+    size_t off = 0;
+    for (size_t i = 0; i < m->ncalls; i++) {
+        off += (size_t)snprintf(got + off, sizeof(got) - off, "%s%s %s%s", i ? " " : "",
+                                m->sequence[i].kind == MFSDP_CALL_ALLGATHER ? "AG" : "RS",
+                                m->groups[m->sequence[i].group].name,
+                                (m->sequence[i].flags & MFSDP_CALL_OPTIONAL) ? "?" : "");
+    }
+    cr_expect_str_eq(got, want_seq, "\n got: %s\nwant: %s", got, want_seq);
+    cr_expect_eq(m->iteration.forward_only, want_it.forward_only);
+    cr_expect_eq(m->iteration.no_sync, want_it.no_sync);
+    mfsdp_manifest_free(m);
+    unlink(mp);
+    unlink(rp);
+    unlink(op);
+    run_free(&r);
+}
+
+Test(tool_plan, record_join_writes_sequence_and_variants)
+{
+    const mfsdp_iteration_t none = {0, 0}, both = {1, 1};
+    join_with_tool("T T T F", 2,
+                   "AG root AG blocks.0 AG blocks.1 AG blocks.1 AG blocks.0 "
+                   "RS blocks.1 RS blocks.0 RS root",
+                   none);
+    /* accumulation over 2 micro-batches: an exact two-pass cycle */
+    join_with_tool("NT NT NT", 2,
+                   "AG root AG blocks.0 AG blocks.1 AG blocks.1 AG blocks.0 "
+                   "AG root AG blocks.0 AG blocks.1 AG blocks.1 AG blocks.0 "
+                   "RS blocks.1 RS blocks.0 RS root",
+                   none);
+    /* irregular passes: the training pass and the variants seen */
+    join_with_tool("T N T F T F F T", 1, "AG root? AG blocks.0 AG blocks.0 RS blocks.0 RS root",
+                   both);
+}
+
+Test(tool_plan, record_join_refusal_is_one_line)
+{
+    char mp[64], rp[64], op[64];
+    snprintf(mp, sizeof(mp), "/tmp/mfsdp-tool-join-m-%d.json", (int)getpid());
+    snprintf(rp, sizeof(rp), "/tmp/mfsdp-tool-join-r-%d.json", (int)getpid());
+    snprintf(op, sizeof(op), "/tmp/mfsdp-tool-join-o-%d.json", (int)getpid());
+    write_join_manifest(mp, 2);
+    write_join_record(mp, rp, "T T", 7);
+    const char *args[] = {mp, "--world-size", "2", "--record", rp, "--write-manifest", op, NULL};
+    run_result_t r = run_tool(args, NULL);
+    cr_expect_eq(r.rc, 1);
+    cr_expect_str_empty(r.out);
+    cr_expect_eq(count_lines(r.err), 1, "%s", r.err);
+    cr_expect_not_null(strstr(r.err, "mfsdp-plan: record: comms[1].calls[5] allgather(count=7, "
+                                     "float32) fits no group of the manifest"),
+                       "%s", r.err);
+    cr_expect_neq(access(op, F_OK), 0, "nothing written");
+    run_free(&r);
+    /* a record that is not a record */
+    write_file(rp, "{\"format\": \"mfsdp-record/2\", \"comms\": []}");
+    r = run_tool(args, NULL);
+    cr_expect_eq(r.rc, 1);
+    cr_expect_eq(count_lines(r.err), 1, "%s", r.err);
+    cr_expect_not_null(strstr(r.err, "format: expected \"mfsdp-record/1\""), "%s", r.err);
+    run_free(&r);
+    unlink(mp);
+    unlink(rp);
 }
