@@ -335,7 +335,7 @@ static mfsdp_status_t mpi_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
             MFSDP_WARN("waiting for the %zu ops of group %zu failed (mpi error %d)", n,
                        x->gs->group, rc);
             st = rc != MPI_SUCCESS ? MFSDP_ERR_TRANSPORT : MFSDP_ERR_INTERNAL;
-            goto out;
+            goto out_cancel;
         }
         for (int k = 0; k < outcount; k++) {
             e.active--;
@@ -348,6 +348,14 @@ static mfsdp_status_t mpi_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
         }
     }
     goto out;
+out_cancel:
+    /* A failed wait leaves requests posted: cancel the ones still pending (a peer's matching
+     * send is then not left waiting on this rank forever) and complete every one. */
+    for (size_t i = 0; i < n; i++) {
+        if (e.reqs[i] != MPI_REQUEST_NULL) {
+            MPI_Cancel(&e.reqs[i]);
+        }
+    }
 out_wait:
     /* Do not return while MPI still writes into the caller's buffers. */
     MPI_Waitall((int)n, e.reqs, MPI_STATUSES_IGNORE);
