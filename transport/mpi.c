@@ -352,8 +352,9 @@ out_cancel:
     /* A failed wait leaves requests posted: cancel the ones still pending (a peer's matching
      * send is then not left waiting on this rank forever) and complete every one. */
     for (size_t i = 0; i < n; i++) {
-        if (e.reqs[i] != MPI_REQUEST_NULL) {
-            MPI_Cancel(&e.reqs[i]);
+        mfsdp_sched_kind_t k = x->ops->ops[i].kind;
+        if (e.reqs[i] != MPI_REQUEST_NULL && (k == MFSDP_SCHED_SEND || k == MFSDP_SCHED_RECV)) {
+            MPI_Cancel(&e.reqs[i]); /* only point-to-point requests can be cancelled */
         }
     }
 out_wait:
