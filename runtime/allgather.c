@@ -53,7 +53,9 @@ static mfsdp_status_t take_initial_weights(struct mfsdp_ctx *ctx, size_t g, cons
             }
             const char *mine = send + ag->entries[s->param].o_bytes;
             if (s->owner == ctx->rank && r == ctx->rank) {
-                memcpy(comm + pc.full_offset, mine, pc.valid);
+                MFSDP_CHECK_GOTO(
+                    ctx->exec->ops->copy(ctx->exec, comm + pc.full_offset, mine, pc.valid), st,
+                    out);
             } else if (s->owner == ctx->rank) {
                 v[nv++] = (mfsdp_p2p_t){0, r, 2 * (int)i, comm + pc.full_offset, pc.valid};
             } else if (r == ctx->rank) {
@@ -67,11 +69,11 @@ static mfsdp_status_t take_initial_weights(struct mfsdp_ctx *ctx, size_t g, cons
         if (s->owner != ctx->rank) {
             continue;
         }
-        MFSDP_CHECK_GOTO(mfsdp_cpu_cast(mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_MASTER),
-                                        MFSDP_FLOAT32,
-                                        mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_COMM),
-                                        gd->params[s->param].dtype, s->numel),
-                         st, out);
+        MFSDP_CHECK_GOTO(
+            ctx->exec->ops->cast(ctx->exec, mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_MASTER),
+                                 MFSDP_FLOAT32, mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_COMM),
+                                 gd->params[s->param].dtype, s->numel),
+            st, out);
     }
     for (size_t k = 0; k < gs->ntail; k++) {
         size_t pi = gs->tail[k];
@@ -82,11 +84,15 @@ static mfsdp_status_t take_initial_weights(struct mfsdp_ctx *ctx, size_t g, cons
             continue; /* tail "job": the job keeps its slices */
         }
         size_t valid = mfsdp_ctx_slice_valid(ctx, e);
-        memcpy(comm, send + e->o_bytes, valid * e->elt);
-        memset(comm + valid * e->elt, 0, e->s_bytes - valid * e->elt);
-        MFSDP_CHECK_GOTO(mfsdp_cpu_cast(mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_MASTER),
-                                        MFSDP_FLOAT32, comm, gd->params[pi].dtype, (size_t)e->s),
+        MFSDP_CHECK_GOTO(ctx->exec->ops->copy(ctx->exec, comm, send + e->o_bytes, valid * e->elt),
                          st, out);
+        MFSDP_CHECK_GOTO(
+            ctx->exec->ops->zero(ctx->exec, comm + valid * e->elt, e->s_bytes - valid * e->elt), st,
+            out);
+        MFSDP_CHECK_GOTO(
+            ctx->exec->ops->cast(ctx->exec, mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_MASTER),
+                                 MFSDP_FLOAT32, comm, gd->params[pi].dtype, (size_t)e->s),
+            st, out);
     }
 out:
     free(v);
@@ -149,10 +155,11 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
         if (mine == NULL) { /* tail "job": the job's own (trained) slice travels */
             mine = (const char *)sendbuf + e->o_bytes;
         }
-        memcpy((char *)tb.send + toff, mine, e->s_bytes);
+        MFSDP_CHECK(ctx->exec->ops->copy(ctx->exec, (char *)tb.send + toff, mine, e->s_bytes));
         toff += e->s_bytes;
     }
     mfsdp_xfer_t x = {
+        .exec = ctx->exec,
         .dir = MFSDP_SCHED_DIR_GATHER,
         .gs = gs,
         .ops = &gst->ag_ops,
@@ -174,13 +181,14 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
         if (full != NULL) {
             mfsdp_strided_geom_t geom;
             mfsdp_ctx_geom(ag, &ag->entries[s->param], ctx->world, &geom);
-            MFSDP_CHECK(mfsdp_cpu_unpack(recvbuf, full, &geom));
+            MFSDP_CHECK(ctx->exec->ops->unpack(ctx->exec, recvbuf, full, &geom));
             continue;
         }
         for (int r = 0; r < ctx->world; r++) {
             mfsdp_piece_t pc;
             mfsdp_layout_piece(ag, ctx->world, s->param, r, &pc);
-            memset((char *)recvbuf + pc.buf_offset + pc.valid, 0, pc.pad);
+            MFSDP_CHECK(ctx->exec->ops->zero(ctx->exec, (char *)recvbuf + pc.buf_offset + pc.valid,
+                                             pc.pad));
         }
     }
     for (int r = 0; r < ctx->world && gs->ntail != 0 && tb.recv != NULL; r++) {
@@ -188,7 +196,9 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
         toff = 0;
         for (size_t k = 0; k < gs->ntail; k++) {
             const mfsdp_param_layout_t *e = &ag->entries[gs->tail[k]];
-            memcpy((char *)recvbuf + (size_t)r * ag->bytes + e->o_bytes, blk + toff, e->s_bytes);
+            MFSDP_CHECK(ctx->exec->ops->copy(ctx->exec,
+                                             (char *)recvbuf + (size_t)r * ag->bytes + e->o_bytes,
+                                             blk + toff, e->s_bytes));
             toff += e->s_bytes;
         }
     }
@@ -244,7 +254,9 @@ mfsdp_status_t mfsdp_ctx_scatter_masters(mfsdp_ctx_h ctx, size_t group, float *b
         float *mine = block + off[s->param];
         size_t row = (size_t)e->rest;
         size_t valid = mfsdp_ctx_slice_valid(ctx, e);
-        memset(mine + valid, 0, ((size_t)e->s - valid) * sizeof(float)); /* padding rows */
+        MFSDP_CHECK_GOTO(
+            ctx->exec->ops->zero(ctx->exec, mine + valid, ((size_t)e->s - valid) * sizeof(float)),
+            st, out); /* padding rows */
         for (int r = 0; r < n; r++) {
             int64_t first = (int64_t)r * e->c;
             int64_t rows = e->rows - first;
@@ -255,7 +267,7 @@ mfsdp_status_t mfsdp_ctx_scatter_masters(mfsdp_ctx_h ctx, size_t group, float *b
             }
             const float *src = master != NULL ? master + (size_t)first * row : NULL;
             if (s->owner == ctx->rank && r == ctx->rank) {
-                memcpy(mine, src, bytes);
+                MFSDP_CHECK_GOTO(ctx->exec->ops->copy(ctx->exec, mine, src, bytes), st, out);
             } else if (s->owner == ctx->rank) {
                 v[nv++] = (mfsdp_p2p_t){1, r, 2 * (int)i + 1, (void *)src, bytes};
             } else if (r == ctx->rank) {
@@ -269,7 +281,9 @@ mfsdp_status_t mfsdp_ctx_scatter_masters(mfsdp_ctx_h ctx, size_t group, float *b
         const float *master =
             mfsdp_ctx_slot(ctx, ctx->plan->group_first[group] + pi, MFSDP_ARENA_MASTER);
         if (master != NULL) { /* NULL under tail "job": the job's own bytes stay */
-            memcpy(block + off[pi], master, (size_t)ag->entries[pi].s * sizeof(float));
+            MFSDP_CHECK_GOTO(ctx->exec->ops->copy(ctx->exec, block + off[pi], master,
+                                                  (size_t)ag->entries[pi].s * sizeof(float)),
+                             st, out);
         }
     }
 out:

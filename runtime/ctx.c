@@ -206,7 +206,7 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
     for (size_t i = 0; i < ctx->plan->nshards; i++) {
         const mfsdp_shard_t *sh = &ctx->plan->shards[i];
         if (sh->owner == ctx->rank && sh->role == MFSDP_ROLE_MUON) {
-            size_t w = mfsdp_muon_workspace_elems(sh->rows, sh->cols);
+            size_t w = ctx->exec->ops->muon_workspace(ctx->exec, sh->rows, sh->cols);
             if (w == 0) {
                 MFSDP_WARN("no muon workspace size for a %lld x %lld matrix", (long long)sh->rows,
                            (long long)sh->cols);
@@ -309,6 +309,9 @@ void mfsdp_ctx_free(struct mfsdp_ctx *ctx)
     mfsdp_plan_destroy(ctx->own_plan);
     if (ctx->tp != NULL) {
         ctx->tp->ops->destroy(ctx->tp);
+    }
+    if (ctx->exec != NULL) {
+        ctx->exec->ops->destroy(ctx->exec);
     }
     free(ctx);
 }

@@ -48,6 +48,7 @@ struct mfsdp_ctx {
     int rank;
     int world;
     mfsdp_transport_t *tp;
+    mfsdp_exec_t *exec; /* local work on the arena's memory (cpu | cuda) */
     mfsdp_arena_t *arena;
     mfsdp_arena_slot_t *slots;   /* plan->nshards */
     mfsdp_group_state_t *groups; /* manifest->ngroups */

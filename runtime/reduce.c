@@ -164,7 +164,7 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
         }
         mfsdp_strided_geom_t geom;
         mfsdp_ctx_geom(rs, &rs->entries[s->rs_entry], n, &geom);
-        MFSDP_CHECK(mfsdp_cpu_pack(gst->bufs[i].src, sendbuf, &geom));
+        MFSDP_CHECK(ctx->exec->ops->pack(ctx->exec, gst->bufs[i].src, sendbuf, &geom));
     }
     /* Sharded tail: rank-major fp32 blocks with the premul factor applied. */
     if (tb.send != NULL) {
@@ -177,12 +177,14 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
                 }
                 const mfsdp_param_layout_t *pe = &rs->entries[e];
                 const char *src = (const char *)sendbuf + (size_t)r * rs->bytes + pe->o_bytes;
-                MFSDP_CHECK(mfsdp_xfer_combine(dst, NULL, src, dtype, (size_t)pe->s, op, sc));
+                MFSDP_CHECK(ctx->exec->ops->combine(ctx->exec, dst, NULL, src, dtype, (size_t)pe->s,
+                                                    op, sc));
                 dst += pe->s;
             }
         }
     }
     mfsdp_xfer_t x = {
+        .exec = ctx->exec,
         .dir = MFSDP_SCHED_DIR_REDUCE,
         .gs = gs,
         .ops = rs_ops,
@@ -201,7 +203,8 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
     for (size_t i = 0; i < gs->nsegs; i++) {
         long e = gs->segs[i].rs_entry;
         if (e >= 0) {
-            memset((char *)recvbuf + rs->entries[e].o_bytes, 0, rs->entries[e].s_bytes);
+            MFSDP_CHECK(ctx->exec->ops->zero(ctx->exec, (char *)recvbuf + rs->entries[e].o_bytes,
+                                             rs->entries[e].s_bytes));
         }
     }
     const float *sum = tb.recv;
@@ -215,16 +218,20 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
         size_t shard = ctx->plan->group_first[group] + pi;
         float *grad = mfsdp_ctx_grad_target(ctx, shard);
         if (grad != NULL) { /* NULL under tail "job": the job keeps its own gradient */
-            MFSDP_CHECK(mfsdp_xfer_apply(grad, sum, (size_t)pe->s, op, n));
+            MFSDP_CHECK(ctx->exec->ops->apply(ctx->exec, grad, sum, (size_t)pe->s, op, n));
         }
         /* The value FSDP's native collective would have produced, in the reduce dtype
          * (the send staging is free again and at least world times this size). */
         float *val = tb.send;
-        for (size_t j = 0; j < (size_t)pe->s; j++) {
-            val[j] = (op == MFSDP_OP_AVG ? sum[j] / (float)n : sum[j]) * (float)post;
+        MFSDP_CHECK(ctx->exec->ops->copy(ctx->exec, val, sum, (size_t)pe->s * sizeof(float)));
+        if (op == MFSDP_OP_AVG) {
+            MFSDP_CHECK(ctx->exec->ops->scale(ctx->exec, val, (size_t)pe->s, 1.0f / (float)n));
         }
-        MFSDP_CHECK(mfsdp_cpu_cast((char *)recvbuf + pe->o_bytes, dtype, val, MFSDP_FLOAT32,
-                                   (size_t)pe->s));
+        if (post != 1.0) {
+            MFSDP_CHECK(ctx->exec->ops->scale(ctx->exec, val, (size_t)pe->s, (float)post));
+        }
+        MFSDP_CHECK(ctx->exec->ops->cast(ctx->exec, (char *)recvbuf + pe->o_bytes, dtype, val,
+                                         MFSDP_FLOAT32, (size_t)pe->s));
         sum += pe->s;
     }
     ctx->reduces++;

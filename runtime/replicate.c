@@ -48,13 +48,10 @@ static mfsdp_status_t reduce_range(struct mfsdp_ctx *ctx, size_t lo, size_t hi, 
     float *grad = (float *)(mfsdp_arena_base(ctx->arena, MFSDP_ARENA_GRAD) + lo);
     size_t n = (hi - lo) / sizeof(float);
     MFSDP_CHECK(ctx->rtp->ops->allreduce_f32(ctx->rtp, v, n));
-    for (size_t i = 0; i < n; i++) {
-        if (to_grad) {
-            grad[i] += v[i] * scale;
-        }
-        v[i] = 0.0f;
+    if (to_grad) {
+        return ctx->exec->ops->axpy_clear(ctx->exec, grad, v, n, scale);
     }
-    return MFSDP_OK;
+    return ctx->exec->ops->zero(ctx->exec, v, n * sizeof(float));
 }
 
 mfsdp_status_t mfsdp_ctx_replicate(mfsdp_ctx_h ctx, size_t group, const void *sendbuf,
@@ -109,12 +106,13 @@ mfsdp_status_t mfsdp_ctx_replicate(mfsdp_ctx_h ctx, size_t group, const void *se
      * job's own all-reduce would (under tail "job" they are the only gradient of those
      * tensors). */
     if (rs->bytes != 0 && sendbuf != recvbuf) {
-        memmove(recvbuf, sendbuf, rs->bytes);
+        MFSDP_CHECK(ctx->exec->ops->copy(ctx->exec, recvbuf, sendbuf, rs->bytes));
     }
     for (size_t i = 0; i < gs->nsegs; i++) {
         long e = gs->segs[i].rs_entry;
         if (e >= 0) {
-            memset((char *)recvbuf + rs->entries[e].o_bytes, 0, rs->entries[e].s_bytes);
+            MFSDP_CHECK(ctx->exec->ops->zero(ctx->exec, (char *)recvbuf + rs->entries[e].o_bytes,
+                                             rs->entries[e].s_bytes));
         }
     }
     size_t tail_elems = 0;
@@ -128,9 +126,9 @@ mfsdp_status_t mfsdp_ctx_replicate(mfsdp_ctx_h ctx, size_t group, const void *se
         for (size_t k = 0; k < gs->ntail; k++) {
             long e = gs->layout->rs_entry[gs->tail[k]];
             if (e >= 0) {
-                MFSDP_CHECK(mfsdp_cpu_cast(p, MFSDP_FLOAT32,
-                                           (const char *)recvbuf + rs->entries[e].o_bytes, dtype,
-                                           (size_t)rs->entries[e].s));
+                MFSDP_CHECK(ctx->exec->ops->cast(ctx->exec, p, MFSDP_FLOAT32,
+                                                 (const char *)recvbuf + rs->entries[e].o_bytes,
+                                                 dtype, (size_t)rs->entries[e].s));
                 p += rs->entries[e].s;
             }
         }
@@ -142,11 +140,9 @@ mfsdp_status_t mfsdp_ctx_replicate(mfsdp_ctx_h ctx, size_t group, const void *se
                 continue;
             }
             size_t s = (size_t)rs->entries[e].s;
-            for (size_t j = 0; j < s; j++) {
-                p[j] *= scale;
-            }
-            MFSDP_CHECK(mfsdp_cpu_cast((char *)recvbuf + rs->entries[e].o_bytes, dtype, p,
-                                       MFSDP_FLOAT32, s));
+            MFSDP_CHECK(ctx->exec->ops->scale(ctx->exec, p, s, scale));
+            MFSDP_CHECK(ctx->exec->ops->cast(ctx->exec, (char *)recvbuf + rs->entries[e].o_bytes,
+                                             dtype, p, MFSDP_FLOAT32, s));
             p += s;
         }
     }

@@ -34,9 +34,14 @@ mfsdp_status_t mfsdp_ctx_create_mpi(const mfsdp_manifest_t *manifest, const mfsd
     ctx->magic = MFSDP_CTX_MAGIC;
     ctx->rank = rank;
     ctx->world = world;
-    mfsdp_status_t st = mfsdp_transport_mpi_create(comm, &ctx->tp);
+    mfsdp_status_t st = mfsdp_exec_cpu_create(&ctx->exec); /* MPI moves host memory */
     if (st != MFSDP_OK) {
         free(ctx);
+        return st;
+    }
+    st = mfsdp_transport_mpi_create(comm, &ctx->tp);
+    if (st != MFSDP_OK) {
+        mfsdp_ctx_free(ctx);
         return st;
     }
     /* Every rank must plan with the same manifest and settings: compared first, so that a

@@ -18,8 +18,8 @@
  * Optimizer step
  */
 
-/* Visit every local gradient of group g: fn(grad, elems, arg). */
-typedef mfsdp_status_t (*grad_fn)(float *grad, size_t elems, void *arg);
+/* Visit every local gradient of group g: fn(ctx, grad, elems, arg). */
+typedef mfsdp_status_t (*grad_fn)(struct mfsdp_ctx *ctx, float *grad, size_t elems, void *arg);
 
 static mfsdp_status_t for_each_grad(struct mfsdp_ctx *ctx, size_t g, grad_fn fn, void *arg)
 {
@@ -29,38 +29,33 @@ static mfsdp_status_t for_each_grad(struct mfsdp_ctx *ctx, size_t g, grad_fn fn,
         float *grad =
             s->owner == ctx->rank ? mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_GRAD) : NULL;
         if (grad != NULL) {
-            MFSDP_CHECK(fn(grad, s->numel, arg));
+            MFSDP_CHECK(fn(ctx, grad, s->numel, arg));
         }
     }
     for (size_t k = 0; k < gs->ntail; k++) {
         size_t shard = ctx->plan->group_first[g] + gs->tail[k];
         float *grad = mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_GRAD);
         if (grad != NULL) {
-            MFSDP_CHECK(fn(grad, ctx->slots[shard].elems, arg));
+            MFSDP_CHECK(fn(ctx, grad, ctx->slots[shard].elems, arg));
         }
     }
     return MFSDP_OK;
 }
 
-static mfsdp_status_t sq_fn(float *grad, size_t n, void *arg)
+static mfsdp_status_t sq_fn(struct mfsdp_ctx *ctx, float *grad, size_t n, void *arg)
 {
-    return mfsdp_cpu_sqnorm_accumulate(grad, n, (double *)arg);
+    return ctx->exec->ops->sqnorm(ctx->exec, grad, n, (double *)arg);
 }
 
-static mfsdp_status_t scale_fn(float *grad, size_t n, void *arg)
+static mfsdp_status_t scale_fn(struct mfsdp_ctx *ctx, float *grad, size_t n, void *arg)
 {
-    float c = *(const float *)arg;
-    for (size_t i = 0; i < n; i++) {
-        grad[i] *= c;
-    }
-    return MFSDP_OK;
+    return ctx->exec->ops->scale(ctx->exec, grad, n, *(const float *)arg);
 }
 
-static mfsdp_status_t zero_fn(float *grad, size_t n, void *arg)
+static mfsdp_status_t zero_fn(struct mfsdp_ctx *ctx, float *grad, size_t n, void *arg)
 {
     (void)arg;
-    memset(grad, 0, n * sizeof(float));
-    return MFSDP_OK;
+    return ctx->exec->ops->zero(ctx->exec, grad, n * sizeof(float));
 }
 
 static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g)
@@ -107,13 +102,14 @@ static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g)
         float *grad = mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_GRAD);
         void *comm = mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_COMM);
         if (sh->role == MFSDP_ROLE_MUON) {
-            MFSDP_CHECK(mfsdp_cpu_muon_update(
-                w, mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_MOMENTUM), grad, comm, p->dtype,
-                sh->rows, sh->cols, p->nsplit, p->split, &mh, ctx->ws, ctx->ws_elems));
+            MFSDP_CHECK(ctx->exec->ops->muon(
+                ctx->exec, w, mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_MOMENTUM), grad, comm,
+                p->dtype, sh->rows, sh->cols, p->nsplit, p->split, &mh, ctx->ws, ctx->ws_elems));
         } else {
-            MFSDP_CHECK(mfsdp_cpu_adamw_update(w, mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_ADAM_M),
-                                               mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_ADAM_V),
-                                               grad, comm, p->dtype, s->numel, t, &ah));
+            MFSDP_CHECK(ctx->exec->ops->adamw(ctx->exec, w,
+                                              mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_ADAM_M),
+                                              mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_ADAM_V),
+                                              grad, comm, p->dtype, s->numel, t, &ah));
         }
     }
     for (size_t k = 0; k < gs->ntail; k++) {
@@ -129,11 +125,11 @@ static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g)
             continue; /* a rank holding only padding rows of this tensor */
         }
         /* Only the real rows: padding stays exactly zero, as FSDP keeps it. */
-        MFSDP_CHECK(mfsdp_cpu_adamw_update(mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_MASTER),
-                                           mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_ADAM_M),
-                                           mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_ADAM_V), grad,
-                                           mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_COMM),
-                                           gd->params[pi].dtype, valid, t, &ah));
+        MFSDP_CHECK(ctx->exec->ops->adamw(ctx->exec, mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_MASTER),
+                                          mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_ADAM_M),
+                                          mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_ADAM_V), grad,
+                                          mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_COMM),
+                                          gd->params[pi].dtype, valid, t, &ah));
     }
     MFSDP_CHECK(for_each_grad(ctx, g, zero_fn, NULL));
     memset(ctx->seen + first, 0, gd->nparams);

@@ -1,53 +1,12 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Owner-side arithmetic of reduce op lists, shared by every transport. */
+/* Owner-side arithmetic of reduce op lists, shared by every transport: done by the xfer's
+ * executor (CPU kernels on host memory, CUDA kernels on the call's stream). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/checks.h"
-#include "mfsdp/kernels.h"
+#include "kernels/executor.h"
 #include "transport/transport.h"
-
-static inline float load(const void *x, mfsdp_dtype_t dtype, size_t i)
-{
-    switch (dtype) {
-    case MFSDP_BFLOAT16: return mfsdp_bf16_to_f32(((const uint16_t *)x)[i]);
-    case MFSDP_FLOAT16: return mfsdp_f16_to_f32(((const uint16_t *)x)[i]);
-    default: return ((const float *)x)[i];
-    }
-}
-
-mfsdp_status_t mfsdp_xfer_combine(float *pout, const float *pin, const void *x,
-                                  mfsdp_dtype_t dtype, size_t n, mfsdp_redop_t op, float scalar)
-{
-    MFSDP_CHECK_ARG(pout != NULL && x != NULL);
-    MFSDP_CHECK_ARG(dtype == MFSDP_FLOAT32 || dtype == MFSDP_BFLOAT16 || dtype == MFSDP_FLOAT16);
-    int premul = op == MFSDP_OP_PREMULSUM;
-    for (size_t i = 0; i < n; i++) {
-        float v = load(x, dtype, i);
-        if (premul) {
-            v = v * scalar;
-        }
-        pout[i] = pin != NULL ? pin[i] + v : v;
-    }
-    return MFSDP_OK;
-}
-
-mfsdp_status_t mfsdp_xfer_apply(float *grad, const float *s, size_t n, mfsdp_redop_t op,
-                                int world)
-{
-    MFSDP_CHECK_ARG(grad != NULL && s != NULL && world >= 1);
-    if (op == MFSDP_OP_AVG) {
-        float w = (float)world;
-        for (size_t i = 0; i < n; i++) {
-            grad[i] += s[i] / w;
-        }
-    } else {
-        for (size_t i = 0; i < n; i++) {
-            grad[i] += s[i];
-        }
-    }
-    return MFSDP_OK;
-}
 
 /* Combine elements [off, off+len) of a tensor's contribution read in place from FSDP's
  * reduce-scatter input: the range is cut into runs that are contiguous there (the rows of
@@ -63,14 +22,14 @@ static mfsdp_status_t combine_strided(const mfsdp_xfer_t *x, const mfsdp_sched_o
     size_t end = op->off + op->len;
     for (size_t i = op->off; i < end;) {
         size_t row = i / R;
-        size_t j = row / c;                      /* rank block holding this row */
-        size_t block_end = (j + 1) * c * R;      /* first element of the next block */
+        size_t j = row / c;                 /* rank block holding this row */
+        size_t block_end = (j + 1) * c * R; /* first element of the next block */
         size_t run = (block_end < end ? block_end : end) - i;
-        const char *src = (const char *)x->rs_in + j * rs->bytes + e->o_bytes +
-                          (i - j * c * R) * e->elt;
+        const char *src =
+            (const char *)x->rs_in + j * rs->bytes + e->o_bytes + (i - j * c * R) * e->elt;
         size_t k = i - op->off;
-        MFSDP_CHECK(mfsdp_xfer_combine(pout + k, pin != NULL ? pin + k : NULL, src, x->dtype,
-                                       run, x->op, x->scalar));
+        MFSDP_CHECK(x->exec->ops->combine(x->exec, pout + k, pin != NULL ? pin + k : NULL, src,
+                                          x->dtype, run, x->op, x->scalar));
         i += run;
     }
     return MFSDP_OK;
@@ -80,8 +39,7 @@ mfsdp_status_t mfsdp_xfer_prepare(const mfsdp_xfer_t *x, const mfsdp_sched_op_t 
 {
     const mfsdp_xfer_bufs_t *b = &x->bufs[op->seg];
     size_t elt = mfsdp_dtype_size(x->dtype);
-    if (b->pout == NULL || (b->src == NULL && x->rs_in == NULL) ||
-        (op->has_in && b->pin == NULL)) {
+    if (b->pout == NULL || (b->src == NULL && x->rs_in == NULL) || (op->has_in && b->pin == NULL)) {
         MFSDP_WARN("reduce segment %u: staging buffer missing", op->seg);
         return MFSDP_ERR_INTERNAL;
     }
@@ -91,8 +49,9 @@ mfsdp_status_t mfsdp_xfer_prepare(const mfsdp_xfer_t *x, const mfsdp_sched_op_t 
     if (b->src == NULL) {
         return combine_strided(x, op, b->pout + op->boff, pin);
     }
-    return mfsdp_xfer_combine(b->pout + op->boff, pin, (const char *)b->src + op->off * elt,
-                              x->dtype, op->len, x->op, x->scalar);
+    return x->exec->ops->combine(x->exec, b->pout + op->boff, pin,
+                                 (const char *)b->src + op->off * elt, x->dtype, op->len, x->op,
+                                 x->scalar);
 }
 
 /* Chain gather: bytes [off, off+len) of a tensor, received in a ring slot, copied into its
@@ -113,7 +72,8 @@ static mfsdp_status_t copy_out(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op
     for (size_t i = op->off; i < end;) {
         size_t j = i / block;
         size_t run = ((j + 1) * block < end ? (j + 1) * block : end) - i;
-        memcpy((char *)x->ag_out + j * ag->bytes + e->o_bytes + (i - j * block), src, run);
+        MFSDP_CHECK(x->exec->ops->copy(
+            x->exec, (char *)x->ag_out + j * ag->bytes + e->o_bytes + (i - j * block), src, run));
         src += run;
         i += run;
     }
@@ -143,17 +103,19 @@ mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *o
         for (int r = 0; r < world; r++) {
             src[r] = r == rank ? b->src : (const char *)b->stage + (size_t)r * slot_bytes;
         }
-        mfsdp_status_t st = mfsdp_cpu_reduce_ordered(b->grad + op->off, (const void *const *)src,
-                                                     world, x->dtype, op->len, x->op,
-                                                     x->scalar, 1);
+        mfsdp_status_t st =
+            x->exec->ops->reduce_ordered(x->exec, b->grad + op->off, (const void *const *)src,
+                                         world, x->dtype, op->len, x->op, x->scalar, 1);
         free((void *)src);
         return st;
     }
     case MFSDP_APPLY_FINAL:
-        return mfsdp_xfer_apply(b->grad + op->off, b->final + op->boff, op->len, x->op, world);
+        return x->exec->ops->apply(x->exec, b->grad + op->off, b->final + op->boff, op->len, x->op,
+                                   world);
     case MFSDP_APPLY_LAST:
         MFSDP_CHECK(mfsdp_xfer_prepare(x, op));
-        return mfsdp_xfer_apply(b->grad + op->off, b->pout + op->boff, op->len, x->op, world);
+        return x->exec->ops->apply(x->exec, b->grad + op->off, b->pout + op->boff, op->len, x->op,
+                                   world);
     }
     return MFSDP_ERR_INTERNAL;
 }

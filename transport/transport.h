@@ -12,6 +12,7 @@
 #define MFSDP_TRANSPORT_TRANSPORT_H
 
 #include "core/schedule.h"
+#include "kernels/executor.h"
 
 /* Buffers of one owner segment (see the table in core/schedule.h). Unused ones are NULL. */
 typedef struct mfsdp_xfer_bufs {
@@ -27,6 +28,7 @@ typedef struct mfsdp_xfer_bufs {
 
 /* One execution of a group's op list. */
 typedef struct mfsdp_xfer {
+    mfsdp_exec_t *exec; /* does the local work (sums, copies) on the buffers' memory */
     mfsdp_sched_dir_t dir;
     const mfsdp_group_sched_t *gs;
     const mfsdp_sched_ops_t *ops;
@@ -87,16 +89,10 @@ struct mfsdp_transport {
 
 /*
  * Helpers shared by implementations (transport/reduce.c): the owner-side arithmetic of a
- * reduce op list, identical whatever moves the bytes.
- *   combine: pout[i] = (pin ? pin[i] : 0) + x[i] (times scalar for premulsum), in fp32;
- *            with pin == NULL the first term is absent (not an addition of 0), so that
- *            chain sums are bitwise those of mfsdp_cpu_reduce_ordered().
- *   apply:   grad[i] += avg ? s[i] / world : s[i].
+ * reduce op list, identical whatever moves the bytes, done by x->exec (combine, apply and
+ * reduce_ordered of kernels/executor.h).
  */
-mfsdp_status_t mfsdp_xfer_combine(float *pout, const float *pin, const void *x, mfsdp_dtype_t dtype,
-                                  size_t n, mfsdp_redop_t op, float scalar);
-mfsdp_status_t mfsdp_xfer_apply(float *grad, const float *s, size_t n, mfsdp_redop_t op, int world);
-/* Run the local (APPLY) op of a reduce list. */
+/* Run the local (APPLY, COPYOUT) op of an op list. */
 mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, int rank,
                                 int world);
 /* Fill POUT for a SEND/REDUCE op with combine set. */
