@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "core/log.h"
+#include "ld_preload/mpi_ops.h"
 #include "ld_preload/shim.h"
 
 #define SHIM_EXPORT __attribute__((visibility("default")))
@@ -54,7 +55,11 @@ static shim_comm_t *comm_state(MPI_Comm comm)
         int size = 0, rank = 0;
         PMPI_Comm_size(comm, &size);
         PMPI_Comm_rank(comm, &rank);
-        c = shim_comm_add(SHIM_MPI, comm, comm, 0, size, rank);
+        void *st = shim_mpi_state(comm, 0);
+        c = st != NULL ? shim_comm_add(SHIM_MPI, comm, &shim_mpi_ops, st, size, rank) : NULL;
+        if (c == NULL) {
+            free(st);
+        }
     }
     return c;
 }
@@ -211,7 +216,9 @@ SHIM_EXPORT int MPI_Comm_free(MPI_Comm *comm)
 
 SHIM_EXPORT int MPI_Finalize(void)
 {
-    int fail = shim_finalize_all();
+    int world_rank = 0;
+    PMPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+    int fail = shim_finalize_all(world_rank);
     int rc = PMPI_Finalize();
     if (fail) {
         /* The error was printed: a job whose remap failed or trained nothing under its

@@ -17,9 +17,11 @@
 #include <nccl.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/log.h"
+#include "ld_preload/mpi_ops.h"
 #include "ld_preload/shim.h"
 #include "mfsdp/kernels.h"
 
@@ -263,7 +265,11 @@ static void track(ncclComm_t comm, MPI_Comm parent, int color, int from_init)
         MFSDP_WARN("nccl front-end: MPI_Comm_split for a new communicator failed");
         return;
     }
-    shim_comm_add(SHIM_NCCL, comm, mpi, 1, size, rank);
+    void *st = shim_mpi_state(mpi, 1);
+    if (st == NULL || shim_comm_add(SHIM_NCCL, comm, &shim_mpi_ops, st, size, rank) == NULL) {
+        free(st);
+        PMPI_Comm_free(&mpi);
+    }
 }
 
 SHIM_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank)
@@ -303,10 +309,10 @@ SHIM_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, nccl
     ncclResult_t r = f(comm, color, key, newcomm, config);
     shim_comm_t *parent = shim_comm_find(SHIM_NCCL, comm);
     if (r == ncclSuccess && !shim_inside && parent != NULL && *newcomm != NULL) {
-        track(*newcomm, parent->mpi, color < 0 ? 0 : color, 0);
+        track(*newcomm, shim_mpi_comm(parent), color < 0 ? 0 : color, 0);
     } else if (r == ncclSuccess && parent != NULL && *newcomm == NULL) {
         MPI_Comm unused = MPI_COMM_NULL; /* ranks with NCCL_SPLIT_NOCOLOR still take part */
-        PMPI_Comm_split(parent->mpi, MPI_UNDEFINED, key, &unused);
+        PMPI_Comm_split(shim_mpi_comm(parent), MPI_UNDEFINED, key, &unused);
     }
     return r;
 }

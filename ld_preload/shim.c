@@ -141,18 +141,12 @@ static void shim_atexit(void)
     if (finalized_once) {
         return;
     }
-    int inited = 0, fin = 0, rank = 0;
-    MPI_Initialized(&inited);
-    MPI_Finalized(&fin);
-    if (inited && !fin) {
-        PMPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    } else {
-        pthread_mutex_lock(&comms_lock);
-        for (shim_comm_t *c = comms; c != NULL; c = c->next) {
-            rank = c->rank; /* the oldest communicator's rank */
-        }
-        pthread_mutex_unlock(&comms_lock);
+    int rank = 0;
+    pthread_mutex_lock(&comms_lock);
+    for (shim_comm_t *c = comms; c != NULL; c = c->next) {
+        rank = c->rank; /* the oldest communicator's rank reports */
     }
+    pthread_mutex_unlock(&comms_lock);
     /* Live comms are not released here (that would be collective at exit); their counters
      * join the summary. */
     pthread_mutex_lock(&comms_lock);
@@ -179,8 +173,8 @@ const mfsdp_config_t *shim_config(void)
 
 /* ---------------------------------------------------------------- registry */
 
-shim_comm_t *shim_comm_add(shim_frontend_t fe, const void *handle, MPI_Comm mpi, int owns_mpi,
-                           int size, int rank)
+shim_comm_t *shim_comm_add(shim_frontend_t fe, const void *handle, const shim_fe_ops_t *ops,
+                           void *fe_state, int size, int rank)
 {
     shim_init();
     shim_comm_t *c = calloc(1, sizeof(*c));
@@ -191,8 +185,8 @@ shim_comm_t *shim_comm_add(shim_frontend_t fe, const void *handle, MPI_Comm mpi,
     }
     c->fe = fe;
     c->handle = handle;
-    c->mpi = mpi;
-    c->owns_mpi = owns_mpi;
+    c->ops = ops;
+    c->fe_state = fe_state;
     c->size = size;
     c->rank = rank;
     c->pending_group = -1;
@@ -282,12 +276,8 @@ static mfsdp_status_t comm_release(shim_comm_t *c)
     mfsdp_ctx_destroy(&c->ctx);
     mfsdp_matcher_destroy(c->matcher);
     c->matcher = NULL;
-    if (c->owns_mpi && c->mpi != MPI_COMM_NULL) {
-        int finalized = 0;
-        MPI_Finalized(&finalized);
-        if (!finalized) {
-            PMPI_Comm_free(&c->mpi);
-        }
+    if (c->ops->release != NULL) {
+        c->ops->release(c);
     }
     shim_record_keep(c);
     pthread_mutex_unlock(&c->lock);
@@ -312,15 +302,9 @@ mfsdp_status_t shim_comm_remove(shim_comm_t *c)
     return comm_release(c);
 }
 
-int shim_finalize_all(void)
+int shim_finalize_all(int world_rank)
 {
     finalized_once = 1;
-    int world_rank = 0;
-    int inited = 0;
-    MPI_Initialized(&inited);
-    if (inited) {
-        PMPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
-    }
     /* In creation order (the list is newest first): every rank frees alike. */
     for (;;) {
         pthread_mutex_lock(&comms_lock);
@@ -346,16 +330,14 @@ int shim_finalize_all(void)
 
 static int agree_u64(void *arg, uint64_t *buf, size_t n, int is_max)
 {
-    MPI_Comm comm = *(MPI_Comm *)arg;
-    return PMPI_Allreduce(MPI_IN_PLACE, buf, (int)n, MPI_UINT64_T, is_max ? MPI_MAX : MPI_MIN,
-                          comm) != MPI_SUCCESS;
+    shim_comm_t *c = arg;
+    return c->ops->allreduce_u64(c, buf, n, is_max);
 }
 
 static int agree_gather(void *arg, const void *mine, size_t bytes, void *all)
 {
-    MPI_Comm comm = *(MPI_Comm *)arg;
-    return PMPI_Allgather(mine, (int)bytes, MPI_BYTE, all, (int)bytes, MPI_BYTE, comm) !=
-           MPI_SUCCESS;
+    shim_comm_t *c = arg;
+    return c->ops->allgather(c, mine, bytes, all);
 }
 
 static void put_item(mfsdp_fp_item_t *it, const char *name, const char *value)
@@ -398,7 +380,7 @@ static int comm_agree(shim_comm_t *c, const shim_tag_t *tag, const shim_call_t *
     if (n < MFSDP_FP_MAX) {
         put_item(&items[n++], "the first call's tag", first);
     }
-    mfsdp_agree_ops_t ops = {agree_u64, agree_gather, &c->mpi, c->rank, c->size};
+    mfsdp_agree_ops_t ops = {agree_u64, agree_gather, c, c->rank, c->size};
     char err[1024];
     mfsdp_status_t st = mfsdp_settings_agree(items, n, &ops, err, sizeof(err));
     if (st != MFSDP_OK) {
@@ -464,7 +446,7 @@ static shim_result_t execute(shim_comm_t *c, size_t group, const unsigned char *
             o.has_step_mode = 1;
             o.step_mode = MFSDP_STEP_MANUAL; /* the job's optimizer.step() runs it */
         }
-        st = mfsdp_ctx_create_mpi(c->man, &o, c->mpi, &c->ctx);
+        st = c->ops->ctx_create(c, c->man, &o, &c->ctx);
     }
     if (st == MFSDP_OK && sync) {
         size_t elt = sizeof(float);
@@ -781,7 +763,8 @@ shim_result_t shim_allreduce(shim_comm_t *c, const shim_call_t *call, mfsdp_stat
     mfsdp_log_capture_begin();
     if (!p->replicate_attached) {
         /* Collective over the replicate comm: its ranks are all in this all-reduce. */
-        st = mfsdp_ctx_attach_replicate_mpi(p->ctx, c->mpi);
+        st = c->ops->attach_replicate != NULL ? c->ops->attach_replicate(p->ctx, c)
+                                              : MFSDP_ERR_UNSUPPORTED;
         p->replicate_attached = st == MFSDP_OK;
     }
     if (!call->op_supported) {

@@ -10,7 +10,6 @@
 #ifndef MFSDP_LD_PRELOAD_SHIM_H
 #define MFSDP_LD_PRELOAD_SHIM_H
 
-#include <mpi.h>
 #include <pthread.h>
 #include <stdint.h>
 
@@ -18,9 +17,26 @@
 #include "core/matcher.h"
 #include "core/record.h"
 #include "core/settings.h"
-#include "mfsdp/runtime_mpi.h"
+#include "mfsdp/runtime.h"
 
 typedef enum shim_frontend { SHIM_MPI = 0, SHIM_NCCL = 1 } shim_frontend_t;
+
+struct shim_comm;
+
+/* What the core needs of a front-end for one communicator: the settings exchange, creating a
+ * context on it, attaching it as HSDP's replicate communicator, and releasing the front-end's
+ * own state. The MPI front-end runs them on the MPI communicator; the NCCL front-end on the
+ * NCCL communicator (no MPI). */
+typedef struct shim_fe_ops {
+    /* element-wise min (is_max 0) or max (1) of n uint64 over the comm's ranks; 0 on success */
+    int (*allreduce_u64)(struct shim_comm *c, uint64_t *buf, size_t n, int is_max);
+    /* bytes from every rank, rank-major; 0 on success */
+    int (*allgather)(struct shim_comm *c, const void *mine, size_t bytes, void *all);
+    mfsdp_status_t (*ctx_create)(struct shim_comm *c, const mfsdp_manifest_t *m,
+                                 const mfsdp_ctx_opts_t *opts, mfsdp_ctx_h *ctx_p);
+    mfsdp_status_t (*attach_replicate)(mfsdp_ctx_h ctx, struct shim_comm *replicate);
+    void (*release)(struct shim_comm *c);
+} shim_fe_ops_t;
 
 /* A tagged-mode registration (mfsdp_shim_register): a manifest the companion built, bound to
  * the communicator of its first tagged call. */
@@ -35,9 +51,9 @@ typedef struct shim_reg {
 /* One intercepted communicator. */
 typedef struct shim_comm {
     shim_frontend_t fe;
-    const void *handle; /* the job's comm handle (MPI_Comm or ncclComm_t) */
-    MPI_Comm mpi;       /* what the runtime runs on (NCCL: a split of MPI_COMM_WORLD) */
-    int owns_mpi;       /* 1 when mpi was created by the shim and must be freed */
+    const void *handle;       /* the job's comm handle (MPI_Comm or ncclComm_t) */
+    const shim_fe_ops_t *ops; /* the front-end's operations on this comm */
+    void *fe_state;           /* the front-end's own state of the comm */
     int size;
     int rank;
     int agreed;                  /* settings compared across the comm's ranks */
@@ -97,17 +113,18 @@ typedef enum shim_result {
 mfsdp_status_t shim_init(void);
 const mfsdp_config_t *shim_config(void);
 
-/* Register a communicator (when the job creates it, or on first sight). mpi must hold the same
- * ranks in the same order. */
-shim_comm_t *shim_comm_add(shim_frontend_t fe, const void *handle, MPI_Comm mpi, int owns_mpi,
-                           int size, int rank);
+/* Register a communicator (when the job creates it, or on first sight) with the front-end's
+ * operations and state for it. */
+shim_comm_t *shim_comm_add(shim_frontend_t fe, const void *handle, const shim_fe_ops_t *ops,
+                           void *fe_state, int size, int rank);
 shim_comm_t *shim_comm_find(shim_frontend_t fe, const void *handle);
 /* Flush pending steps, keep the record, release (comm destroy / finalize). Returns the first
  * error the comm ended with (MFSDP_OK when none), for the front-end's return code. */
 mfsdp_status_t shim_comm_remove(shim_comm_t *c);
-/* At MPI_Finalize: release every comm, write the record, print the summary. Returns non-zero
- * when the job must not exit 0 (an error, or a manifest that remapped nothing). */
-int shim_finalize_all(void);
+/* At MPI_Finalize: release every comm, write the record, print the summary (on world rank 0).
+ * Returns non-zero when the job must not exit 0 (an error, or a manifest that remapped
+ * nothing). */
+int shim_finalize_all(int world_rank);
 
 /* Decide and execute one all-gather or reduce-scatter. Thread-safe per comm. */
 shim_result_t shim_dispatch(shim_comm_t *c, const shim_call_t *call, mfsdp_status_t *st_p);
