@@ -10,6 +10,8 @@
 
 #define MFSDP_CTX_MAGIC 0x6d66736470637478ULL /* "mfsdpctx" */
 
+struct mfsdp_ckpt_ctx; /* runtime/checkpoint.c: the pending save and its figures */
+
 typedef struct mfsdp_group_state {
     mfsdp_group_sched_t *gs;
     mfsdp_sched_ops_t ag_ops;
@@ -50,7 +52,20 @@ struct mfsdp_ctx {
     uint64_t reduces;
     double step_seconds; /* wall time inside owner optimizer steps */
     double last_norm;
+    struct mfsdp_ckpt_ctx *ckpt; /* checkpoints (runtime/checkpoint.c); NULL until used */
 };
+
+/* A tensor's region of one arena category on this rank, NULL when it has none (the same
+ * view as runtime.c's slot_ptr(), for runtime/checkpoint.c). */
+static inline void *mfsdp_ctx_slot(const struct mfsdp_ctx *ctx, size_t shard, mfsdp_arena_cat_t cat)
+{
+    const mfsdp_arena_slot_t *s = &ctx->slots[shard];
+    char *base = mfsdp_arena_base(ctx->arena, cat);
+    if (s->elems == 0 || s->off[cat] == MFSDP_ARENA_NONE || base == NULL) {
+        return NULL;
+    }
+    return base + s->off[cat];
+}
 
 /* Everything but the transport: plan, schedules, arena. Not collective. */
 mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_t *manifest,
