@@ -13,6 +13,7 @@
 #include "core/settings.h"
 #include "kernels/cpu/gemm.h"
 #include "mfsdp/kernels.h"
+#include "runtime/checkpoint.h"
 #include "runtime/ctx.h"
 
 /* ---------------------------------------------------------------------------------------
@@ -280,6 +281,7 @@ void mfsdp_ctx_free(struct mfsdp_ctx *ctx)
     if (ctx == NULL) {
         return;
     }
+    mfsdp_ckpt_ctx_release(ctx); /* joins a pending save (collective when one is pending) */
     ctx->magic = 0;
     if (ctx->groups != NULL) {
         for (size_t g = 0; g < ctx->manifest->ngroups; g++) {

@@ -26,6 +26,8 @@ typedef struct mfsdp_rs_variant {
 /* Most subsets of one group a context keeps schedules for. */
 #define MFSDP_CTX_MAX_VARIANTS 256
 
+struct mfsdp_ckpt_ctx; /* runtime/checkpoint.c: the pending save and its figures */
+
 typedef struct mfsdp_group_state {
     mfsdp_group_sched_t *gs;
     mfsdp_sched_ops_t ag_ops;
@@ -84,6 +86,7 @@ struct mfsdp_ctx {
     uint64_t reduces;
     double step_seconds; /* wall time inside owner optimizer steps */
     double last_norm;
+    struct mfsdp_ckpt_ctx *ckpt; /* checkpoints (runtime/checkpoint.c); NULL until used */
 };
 
 /* ---- arena views ---- */

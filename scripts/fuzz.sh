@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Fuzz the manifest parser with libFuzzer: scripts/fuzz.sh [SECONDS]   (default 60)
+# Fuzz a parser with libFuzzer: scripts/fuzz.sh [SECONDS] [TARGET]   (default 60, manifest)
 #
-# Configures build-fuzz (clang, -Dfuzz=true, ASan + UBSan), seeds the corpus with
-# examples/models/*.json and tests/fuzz/corpus/*, runs tests/fuzz/fuzz_manifest for SECONDS
-# and ends with "N execs, N crashes". Inputs that crashed, leaked or timed out are kept in
-# build-fuzz/fuzz-artifacts/; the grown corpus in build-fuzz/fuzz-corpus/ is reused next time.
-# jansson itself is not instrumented: coverage guidance comes from mfsdp's own code.
+# TARGET: manifest (the mfsdp-manifest/1 parser), safetensors (the safetensors header
+# parser, inputs are whole files) or ckpt_index (the checkpoint index parser; inputs are
+# sealed with their digest by the target).
+# Configures build-fuzz (clang, -Dfuzz=true, ASan + UBSan), seeds the corpus (manifest:
+# examples/models/*.json and tests/fuzz/corpus/*; others: tests/fuzz/corpus-TARGET/*), runs
+# tests/fuzz/fuzz_TARGET for SECONDS and ends with "N execs, N crashes". Inputs that crashed,
+# leaked or timed out are kept in build-fuzz/fuzz-artifacts/; the grown corpus in
+# build-fuzz/fuzz-corpus/TARGET is reused next time. jansson and libcrypto are not
+# instrumented: coverage guidance comes from mfsdp's own code.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 secs=${1:-60}
 case $secs in
-  '' | *[!0-9]*) echo "usage: $0 [seconds]" >&2; exit 2 ;;
+  '' | *[!0-9]*) echo "usage: $0 [seconds] [manifest|safetensors|ckpt_index]" >&2; exit 2 ;;
+esac
+which=${2:-manifest}
+case $which in
+  manifest | safetensors | ckpt_index) ;;
+  *) echo "usage: $0 [seconds] [manifest|safetensors|ckpt_index]" >&2; exit 2 ;;
 esac
 build=${MFSDP_FUZZ_BUILD_DIR:-build-fuzz}
-target=fuzz_manifest
+target=fuzz_$which
 
 setup_args=(-Dfuzz=true -Dcuda=disabled -Db_sanitize=address,undefined -Db_lundef=false)
 if [ -f "$build/build.ninja" ]; then
@@ -25,20 +34,24 @@ else
 fi || { cat "$build.setup.log"; echo "fuzz: configure failed"; exit 1; }
 ninja -C "$build" "tests/fuzz/$target" || { echo "fuzz: build failed"; exit 1; }
 
-corpus=$build/fuzz-corpus/manifest
+corpus=$build/fuzz-corpus/$which
 artifacts=$build/fuzz-artifacts
 mkdir -p "$corpus" "$artifacts"
-cp examples/models/*.json tests/fuzz/corpus/* "$corpus/"
+if [ "$which" = manifest ]; then
+  cp examples/models/*.json tests/fuzz/corpus/* "$corpus/"
+else
+  cp tests/fuzz/corpus-"$which"/* "$corpus/"
+fi
 before=$(find "$artifacts" -type f | wc -l)
 
-log=$build/fuzz-manifest.log
+log=$build/fuzz-$which.log
 echo "fuzz: $target for ${secs}s, corpus $corpus, log $log"
 MFSDP_DEBUG=NONE \
 ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1 \
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   "$build/tests/fuzz/$target" "$corpus" \
     -max_total_time="$secs" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
-    -dict=tests/fuzz/manifest.dict -artifact_prefix="$artifacts/" -print_final_stats=1 \
+    -dict=tests/fuzz/"$which".dict -artifact_prefix="$artifacts/$which-" -print_final_stats=1 \
     >"$log" 2>&1
 rc=$?
 

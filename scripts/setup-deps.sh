@@ -14,6 +14,7 @@ pkgs=(
   libjansson-dev
   libopenblas-dev
   libopenmpi-dev
+  libssl-dev
   meson
   ninja-build
   openmpi-bin
