@@ -73,9 +73,22 @@
     X(BOOL, MFSDP_REPORT, report, "0", "",                                                         \
       "the shim prints one 'mfsdp report:' line per rank and communicator at exit (owner "         \
       "step time, call counts, arena memory)")                                                     \
-    X(STR, MFSDP_TUNER_CONFIG, tuner_config, "", "",                                          \
-      "CSV of overrides for the NCCL tuner plugin libnccl-tuner-mfsdp.so (read by the plugin, " \
-      "NCCL's example-tuner format; docs/tuner.md)")                                          \
+    X(STR, MFSDP_CKPT_DIR, ckpt_dir, "", "",                                                       \
+      "the shim checkpoints the context into this root (DIR/step-S, DIR/latest): every "           \
+      "MFSDP_CKPT_EVERY steps and when the communicator is released (docs/checkpoints.md)")        \
+    X(INT, MFSDP_CKPT_EVERY, ckpt_every, "0", "0:1000000000",                                      \
+      "with MFSDP_CKPT_DIR: save after every this many optimizer steps; 0 = only at the end")      \
+    X(INT, MFSDP_CKPT_KEEP, ckpt_keep, "0", "0:1000000",                                           \
+      "with MFSDP_CKPT_DIR: keep the newest this many checkpoints, delete older ones; 0 = all")    \
+    X(STR, MFSDP_RESUME, resume, "", "",                                                           \
+      "the shim loads this checkpoint (a root, its latest; or a step directory) when it creates "  \
+      "the context; 'auto' = MFSDP_CKPT_DIR's latest when there is one, else a fresh start")       \
+    X(STR, MFSDP_INIT, init, "", "",                                                               \
+      "the shim loads these full weights (one safetensors file) when it creates the context, "     \
+      "instead of taking the job's first all-gather (not with a checkpoint to resume)")            \
+    X(STR, MFSDP_TUNER_CONFIG, tuner_config, "", "",                                               \
+      "CSV of overrides for the NCCL tuner plugin libnccl-tuner-mfsdp.so (read by the plugin, "    \
+      "NCCL's example-tuner format; docs/tuner.md)")                                               \
     X(INT, MFSDP_THREADS, threads, "", "1:1024",                                                   \
       "BLAS threads of the process, set when a context is created (unset: leave OpenBLAS's "       \
       "own setting, e.g. OPENBLAS_NUM_THREADS=1 with one rank per core)")

@@ -92,6 +92,12 @@ static void shim_init_once(void)
     }
     if (!shim_cfg->manifest_set) {
         if (getenv("MFSDP_COMPANION") != NULL) {
+            if (shim_ckpt_enabled(shim_cfg)) {
+                init_error(MFSDP_ERR_CONFIG,
+                           "MFSDP_CKPT_DIR, MFSDP_RESUME and MFSDP_INIT apply to jobs run with "
+                           "MFSDP_MANIFEST; a PyTorch job under mfsdp-run keeps its own "
+                           "checkpoints (its state_dict holds the trained weights)");
+            }
             return; /* tagged mode: the companion registers its manifest */
         }
         for (size_t i = 0; i < mfsdp_config_count(); i++) {
@@ -125,6 +131,9 @@ static void shim_init_once(void)
         return;
     }
     st = mfsdp_settings_resolve(shim_manifest, shim_cfg, &shim_settings, err, sizeof(err));
+    if (st == MFSDP_OK) {
+        st = shim_ckpt_check_config(shim_cfg, &shim_settings, err, sizeof(err));
+    }
     if (st != MFSDP_OK) {
         init_error(st, "%s", err);
         return;
@@ -190,6 +199,8 @@ shim_comm_t *shim_comm_add(shim_frontend_t fe, const void *handle, const shim_fe
     c->size = size;
     c->rank = rank;
     c->pending_group = -1;
+    c->ckpt_saved = -1;
+    c->ckpt_resumed = -1;
     pthread_mutex_init(&c->lock, NULL);
     /* A communicator of the manifest's world size (any, when it states none) is managed:
      * its all-gathers and reduce-scatters must all be identified. */
@@ -254,6 +265,17 @@ static mfsdp_status_t comm_release(shim_comm_t *c)
             shim_fatal(c, 0, fs, "flushing the pending optimizer steps failed: %s",
                        msg[0] ? msg : mfsdp_status_string(fs));
             st = fs;
+        } else if (c->reg == NULL) {
+            char why[512] = "";
+            shim_inside = 1;
+            mfsdp_log_capture_begin();
+            fs = shim_ckpt_end(c, why, sizeof(why));
+            mfsdp_log_capture_end(msg, sizeof(msg));
+            shim_inside = 0;
+            if (fs != MFSDP_OK) {
+                shim_fatal(c, 1, fs, "%s%s%s", why, msg[0] ? ": " : "", msg);
+                st = fs;
+            }
         }
     }
     if (c->matcher != NULL && !c->failed && c->remapped_ag + c->remapped_rs > 0) {
@@ -407,9 +429,11 @@ static const char *kind_word(shim_kind_t k)
                                       : "all-reduce";
 }
 
-/* Remap one identified call on c (its lock held). sync: a tagged weight write-back. */
+/* Remap one identified call on c (its lock held). sync: a tagged weight write-back.
+ * iter_start: the call is the first of an iteration (1), is not (0), unknown (-1). */
 static shim_result_t execute(shim_comm_t *c, size_t group, const unsigned char *has_grad,
-                             const shim_call_t *call, int tagged, int sync, mfsdp_status_t *st_p)
+                             const shim_call_t *call, int tagged, int sync, int iter_start,
+                             mfsdp_status_t *st_p)
 {
     char msg[1024] = "";
     mfsdp_status_t st = MFSDP_OK;
@@ -435,6 +459,7 @@ static shim_result_t execute(shim_comm_t *c, size_t group, const unsigned char *
             return SHIM_ERROR;
         }
     }
+    int created = 0;
     shim_inside = 1;
     mfsdp_log_capture_begin();
     if (c->ctx == NULL) {
@@ -447,6 +472,13 @@ static shim_result_t execute(shim_comm_t *c, size_t group, const unsigned char *
             o.step_mode = MFSDP_STEP_MANUAL; /* the job's optimizer.step() runs it */
         }
         st = c->ops->ctx_create(c, c->man, &o, &c->ctx);
+        created = st == MFSDP_OK;
+    }
+    char why[512] = ""; /* a checkpoint step's failure */
+    int ck = 0;
+    if (st == MFSDP_OK && created && !tagged) {
+        ck = 1;
+        st = shim_ckpt_start(c, why, sizeof(why));
     }
     if (st == MFSDP_OK && sync) {
         size_t elt = sizeof(float);
@@ -455,12 +487,21 @@ static shim_result_t execute(shim_comm_t *c, size_t group, const unsigned char *
             call->count);
     } else if (st == MFSDP_OK && call->kind == SHIM_ALLGATHER) {
         st = mfsdp_ctx_allgather(c->ctx, group, call->send, call->recv, call->count, call->dtype);
+        if (st == MFSDP_OK && !tagged) {
+            ck = 1;
+            st = shim_ckpt_after_allgather(c, iter_start, why, sizeof(why));
+        }
     } else if (st == MFSDP_OK) {
         st = mfsdp_ctx_reduce_params(c->ctx, group, has_grad, call->send, call->recv, call->count,
                                      call->dtype, op, scalar, post);
     }
     mfsdp_log_capture_end(msg, sizeof(msg));
     shim_inside = 0;
+    if (st != MFSDP_OK && ck && why[0]) {
+        shim_fatal(c, 1, st, "%s: %s", why, msg[0] ? msg : mfsdp_status_string(st));
+        *st_p = st;
+        return SHIM_ERROR;
+    }
     if (st != MFSDP_OK) {
         shim_fatal(c, agreed_status(st), st, "the remapped %s of group %s failed: %s",
                    sync ? "weight write-back" : kind_word(call->kind), gname,
@@ -571,7 +612,7 @@ static shim_result_t tagged_call(shim_comm_t *c, const shim_tag_t *tag, const sh
             return SHIM_ERROR;
         }
     }
-    return execute(c, tag->group, mask, call, 1, sync, st_p);
+    return execute(c, tag->group, mask, call, 1, sync, 0, st_p);
 }
 
 /* A call on a communicator of another size than the manifest's: passed through, unless the
@@ -686,7 +727,7 @@ shim_result_t shim_dispatch(shim_comm_t *c, const shim_call_t *call, mfsdp_statu
         goto out;
     }
     res = execute(c, match.group, call->kind == SHIM_REDUCE_SCATTER ? match.has_grad : NULL, call,
-                  0, 0, st_p);
+                  0, 0, match.position == MFSDP_GROUP_NONE ? -1 : match.position == 0, st_p);
 out:
     pthread_mutex_unlock(&c->lock);
     return res;

@@ -72,6 +72,10 @@ typedef struct shim_comm {
     size_t pending_count;
     mfsdp_dtype_t pending_dtype;
     int replicate_attached;
+    /* checkpoints (shim_ckpt.c) */
+    int64_t ckpt_saved;   /* step of the newest save (or of the resumed checkpoint); -1 */
+    int64_t ckpt_resumed; /* step resumed from; -1 */
+    uint64_t ckpt_saves;
     /* counters (summary) */
     uint64_t calls, remapped_ag, remapped_rs, remapped_ar, passed;
     mfsdp_record_comm_t rec; /* MFSDP_RECORD */
@@ -159,6 +163,22 @@ void shim_record_call(shim_comm_t *c, const shim_call_t *call);
 /* Keep a released comm's record until exit; write every record (world rank 0). */
 void shim_record_keep(shim_comm_t *c);
 void shim_record_write(int world_rank);
+
+/* ---- shim_ckpt.c ---- */
+
+/* 1 when any checkpoint variable (MFSDP_CKPT_*, MFSDP_RESUME, MFSDP_INIT) is given. */
+int shim_ckpt_enabled(const mfsdp_config_t *cfg);
+/* Refuse combinations that cannot do what they say (one-line message in err). */
+mfsdp_status_t shim_ckpt_check_config(const mfsdp_config_t *cfg, const mfsdp_settings_t *set,
+                                      char *err, size_t errlen);
+/* Collective over c, right after its context is created: resume or initialize. */
+mfsdp_status_t shim_ckpt_start(shim_comm_t *c, char *msg, size_t msglen);
+/* Collective over c, after each remapped all-gather: the periodic save when due.
+ * iter_start: 1 when the call opens an iteration (sequence position 0), 0 when it does not,
+ * -1 when unknown (no sequence: then every trainable group must have the same step count). */
+mfsdp_status_t shim_ckpt_after_allgather(shim_comm_t *c, int iter_start, char *msg, size_t msglen);
+/* Collective over c, at its release (no error before): the last save, its commit. */
+mfsdp_status_t shim_ckpt_end(shim_comm_t *c, char *msg, size_t msglen);
 
 /* ---- shim_tag.c ---- */
 

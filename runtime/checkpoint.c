@@ -110,6 +110,19 @@ static mfsdp_status_t ctx_check(const struct mfsdp_ctx *ctx)
     return MFSDP_OK;
 }
 
+/* Tail "job": the job's optimizer holds the AdamW tensors and their state, so a checkpoint
+ * of the context would miss them (the same answer on every rank: the plan is shared). */
+static mfsdp_status_t tail_check(const struct mfsdp_ctx *ctx)
+{
+    if (ctx->plan->tail == MFSDP_TAIL_JOB) {
+        MFSDP_WARN("checkpoint: the plan's tail is \"job\": the AdamW tensors and their state "
+                   "are the job's, not the context's; a context checkpoint would miss them "
+                   "(checkpoint with the job's own state_dict, or use tail owner or shard)");
+        return MFSDP_ERR_UNSUPPORTED;
+    }
+    return MFSDP_OK;
+}
+
 static struct mfsdp_ckpt_ctx *state_of(struct mfsdp_ctx *ctx)
 {
     if (ctx->ckpt == NULL) {
@@ -705,6 +718,7 @@ mfsdp_status_t mfsdp_ctx_save(mfsdp_ctx_h ctx, const char *dir)
         MFSDP_WARN("checkpoint: no directory given");
         return MFSDP_ERR_INVALID_ARG;
     }
+    MFSDP_CHECK(tail_check(ctx));
     struct mfsdp_ckpt_ctx *cs = state_of(ctx);
     uint64_t *tsteps = calloc(ctx->plan->nshards + 1, sizeof(uint64_t));
     mfsdp_status_t st = agree(ctx, cs != NULL && tsteps != NULL ? MFSDP_OK : MFSDP_ERR_NO_MEMORY);
@@ -1094,6 +1108,7 @@ mfsdp_status_t mfsdp_ctx_load_full(mfsdp_ctx_h ctx, const char *path)
 {
     MFSDP_CHECK(ctx_check(ctx));
     MFSDP_CHECK_ARG(path != NULL);
+    MFSDP_CHECK(tail_check(ctx));
     struct mfsdp_ckpt_ctx *cs = state_of(ctx);
     MFSDP_CHECK(agree(ctx, cs != NULL ? MFSDP_OK : MFSDP_ERR_NO_MEMORY));
     MFSDP_CHECK(job_finish(ctx));
@@ -1104,6 +1119,7 @@ mfsdp_status_t mfsdp_ctx_load(mfsdp_ctx_h ctx, const char *path)
 {
     MFSDP_CHECK(ctx_check(ctx));
     MFSDP_CHECK_ARG(path != NULL);
+    MFSDP_CHECK(tail_check(ctx));
     struct mfsdp_ckpt_ctx *cs = state_of(ctx);
     MFSDP_CHECK(agree(ctx, cs != NULL ? MFSDP_OK : MFSDP_ERR_NO_MEMORY));
     MFSDP_CHECK(job_finish(ctx));
@@ -1144,4 +1160,30 @@ mfsdp_status_t mfsdp_ctx_load(mfsdp_ctx_h ctx, const char *path)
     st = load_finish(ctx, st, st == MFSDP_OK ? &meta : NULL, path, t0, bytes, verified);
     mfsdp_ckpt_reader_close(r);
     return st;
+}
+
+int mfsdp_ckpt_ctx_boundary(const struct mfsdp_ctx *ctx, int equal, int64_t *step_p)
+{
+    int64_t step = 0, lo = INT64_MAX;
+    int ok = ctx != NULL && ctx->magic == MFSDP_CTX_MAGIC;
+    for (size_t g = 0; ok && g < ctx->manifest->ngroups; g++) {
+        const mfsdp_group_state_t *gst = &ctx->groups[g];
+        ok = gst->initialized && gst->micro == 0;
+        step = gst->nsteps > step ? gst->nsteps : step;
+        if (gst->gs->layout->rs.nentries != 0) {
+            lo = gst->nsteps < lo ? gst->nsteps : lo;
+        }
+    }
+    if (ok && equal && lo != INT64_MAX && lo != step) {
+        ok = 0;
+    }
+    if (step_p != NULL) {
+        *step_p = step;
+    }
+    return ok;
+}
+
+int mfsdp_ckpt_ctx_replica(const struct mfsdp_ctx *ctx)
+{
+    return ctx != NULL && ctx->rtp != NULL ? ctx->rtp->rank : -1;
 }

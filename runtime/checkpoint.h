@@ -20,4 +20,15 @@ void mfsdp_ckpt_ctx_release(struct mfsdp_ctx *ctx);
 /* Checkpoint layout of a context's plan. */
 mfsdp_status_t mfsdp_ckpt_ctx_layout(const struct mfsdp_ctx *ctx, mfsdp_ckpt_layout_t **lay_p);
 
+/* 1 when the context may be saved now, as far as its own state says (every group has
+ * weights, no accumulation window open, no lazy step pending: saving would not change when
+ * steps run) and, with `equal`, every group that reduces has taken the same number of steps
+ * (no iteration half-stepped); *step_p: the name a save would get (the largest group step
+ * count). The same on every rank: it depends only on the calls made. */
+int mfsdp_ckpt_ctx_boundary(const struct mfsdp_ctx *ctx, int equal, int64_t *step_p);
+
+/* This rank's index among the replicas (HSDP, once the replicate communicator is attached),
+ * -1 when none is attached. */
+int mfsdp_ckpt_ctx_replica(const struct mfsdp_ctx *ctx);
+
 #endif /* MFSDP_RUNTIME_CHECKPOINT_H */

@@ -91,6 +91,8 @@
 
 #include <errno.h>
 #include <getopt.h>
+#include <signal.h>
+#include <unistd.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -150,6 +152,9 @@ typedef struct options {
     int reference;
     int emulate;
     int quiet;
+    int start_step; /* --start-step: the first step run (a resumed job) */
+    int die_set;    /* --die-at S:R (tests): rank R kills itself at the start of step S */
+    int die_step, die_rank;
 } options_t;
 
 /* What a param is in the model (its place in the layer kernels). */
@@ -316,6 +321,9 @@ static void usage(FILE *f)
         "  --dump-weights PATH    after the final all-gather rank 0 writes all weights\n"
         "  --reference            one process, no MPI, world size 1\n"
         "  --emulate-world N      with --reference: average N ranks' micro-batches (1)\n"
+        "  --start-step S         run steps S..N-1 (a job resumed from a checkpoint of step S:\n"
+        "                         the data and the schedule continue at S)\n"
+        "  --die-at S:R           tests: world rank R kills itself (SIGKILL) when step S starts\n"
         "  --quiet                no per-step lines\n");
 }
 
@@ -481,6 +489,8 @@ static int parse_options(int argc, char **argv, options_t *o)
         O_DUMP,
         O_REFERENCE,
         O_EMULATE,
+        O_START_STEP,
+        O_DIE_AT,
         O_QUIET,
         O_HELP,
     };
@@ -512,6 +522,8 @@ static int parse_options(int argc, char **argv, options_t *o)
         {"dump-weights", required_argument, NULL, O_DUMP},
         {"reference", no_argument, NULL, O_REFERENCE},
         {"emulate-world", required_argument, NULL, O_EMULATE},
+        {"start-step", required_argument, NULL, O_START_STEP},
+        {"die-at", required_argument, NULL, O_DIE_AT},
         {"quiet", no_argument, NULL, O_QUIET},
         {"help", no_argument, NULL, O_HELP},
         {NULL, 0, NULL, 0},
@@ -652,6 +664,16 @@ static int parse_options(int argc, char **argv, options_t *o)
         case O_EMULATE:
             bad = parse_int(optarg, 1, 4096, &o->emulate);
             break;
+        case O_START_STEP:
+            bad = parse_int(optarg, 0, 1000000, &o->start_step);
+            break;
+        case O_DIE_AT: {
+            char extra;
+            bad = sscanf(optarg, "%d:%d%c", &o->die_step, &o->die_rank, &extra) != 2 ||
+                  o->die_step < 0 || o->die_rank < 0;
+            o->die_set = !bad;
+            break;
+        }
         case O_QUIET:
             o->quiet = 1;
             break;
@@ -1820,12 +1842,16 @@ int main(int argc, char **argv)
 
     double w0 = now();
     float loss = 0.0f;
-    for (int step = 0; step < T.o.steps; step++) {
+    for (int step = T.o.start_step; step < T.o.steps; step++) {
+        if (T.o.die_set && step == T.o.die_step && T.wrank == T.o.die_rank) {
+            fflush(stdout);
+            kill(getpid(), SIGKILL); /* a crash: no exit handler, no MPI_Finalize */
+        }
         double t0 = now();
         float norm;
         loss = train_step(&T, step, &norm);
         T.t[T_STEP] += now() - t0;
-        if (step == 0)
+        if (step == T.o.start_step)
             memcpy(T.t_first, T.t, sizeof(T.t));
         if (T.wrank == 0 && !T.o.quiet) {
             printf("step %5d loss %.7f time_ms %.2f", step, (double)loss, 1e3 * (now() - t0));

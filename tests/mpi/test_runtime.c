@@ -30,6 +30,7 @@
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/kernels.h"
 #include "mfsdp/runtime_mpi.h"
+#include "runtime/checkpoint.h"
 #include "tests/lib/ns_ref.h"
 
 static int g_rank, g_world;
@@ -1045,6 +1046,21 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
                 }
                 free(in);
                 free(out);
+                /* Mid-backward with eager steps, the groups reduced so far have stepped and the
+                 * others not: no consistent checkpoint (the shim's save rule without a
+                 * sequence); once all have, there is one. */
+                if (tc->mode == MFSDP_STEP_EAGER && tc->accum == 1 && !tc->drop && !job) {
+                    int64_t at;
+                    int mid = 0, eq = mfsdp_ckpt_ctx_boundary(ctx, 1, &at);
+                    for (size_t h = 0; h < gg; h++) {
+                        for (size_t i = 0; i < m->groups[h].nparams; i++) {
+                            mid |= m->groups[h].params[i].requires_grad;
+                        }
+                    }
+                    CHECK(eq == !mid && mfsdp_ckpt_ctx_boundary(ctx, 0, NULL) && at == step + 1,
+                          "%s: step %d group %zu: boundary %d (step %lld), want %d", what, step, gg,
+                          eq, (long long)at, !mid);
+                }
                 for (size_t k = 0; k < l->n; k++) {
                     ref_param_t *q = &R[gg][l->idx[k]];
                     q->had = 1;
@@ -1085,6 +1101,14 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
     CHECK_OK(mfsdp_ctx_get_stats(ctx, &stats));
     CHECK(stats.steps >= (uint64_t)nsteps, "%s: only %llu group steps", what,
           (unsigned long long)stats.steps);
+    if (job) { /* the context holds no AdamW state: a checkpoint of it is refused */
+        char log[1024] = "";
+        mfsdp_log_capture_begin();
+        st = mfsdp_ctx_save(ctx, "/nonexistent/mfsdp-ckpt");
+        mfsdp_log_capture_end(log, sizeof(log));
+        CHECK(st == MFSDP_ERR_UNSUPPORTED && strstr(log, "tail is \"job\"") != NULL,
+              "%s: save with tail job: %s (%s)", what, mfsdp_status_string(st), log);
+    }
     for (size_t g = 0; job && g < ng; g++) { /* no context state for the job's tensors */
         for (size_t i = 0; i < m->groups[g].nparams; i++) {
             mfsdp_param_view_t v;

@@ -21,6 +21,15 @@
                  schedules, clipping), its own manifest, its AdamW run under the shim: equal
                  to the single-process Muon reference of the same mode (1e-5), loss traces
                  too; with --tail job the job's AdamW trains the tail itself.
+  resume N       checkpoints under the shim: a rank is killed (SIGKILL) at a random step of
+                 a job saving every k steps (MFSDP_CKPT_DIR/EVERY/KEEP); the job restarted
+                 with MFSDP_RESUME=auto and --start-step at the latest checkpoint's step ends
+                 bitwise equal to the uninterrupted run, loss trace too; old checkpoints are
+                 pruned to MFSDP_CKPT_KEEP. --rounds kills per test.
+  ckpt-errors N  checkpoint variables that cannot work (MFSDP_CKPT_EVERY or MFSDP_RESUME=auto
+                 without MFSDP_CKPT_DIR, MFSDP_RESUME with MFSDP_INIT, tail job, a missing
+                 checkpoint or init file, a checkpoint of another manifest) stop the job with
+                 one error line; the end of a job saves its last step.
   record N       groups with one signature and no sequence are refused with a message that
                  points at MFSDP_RECORD; MFSDP_RECORD runs pass-through (bitwise unchanged),
                  `mfsdp-plan --record` joins the record into the job's exact call sequence,
@@ -261,10 +270,139 @@ def cmd_mode(args, tmp):
     print(f"ok: loss traces agree ({a[-1]} vs {b[-1]}); {summary[15:]}")
 
 
+def latest_step(root):
+    """The step of the checkpoint root/latest names (None when there is none)."""
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            name = f.read().split()[0]
+    except FileNotFoundError:
+        return None, None
+    with open(os.path.join(root, name, "model.safetensors.index.json")) as f:
+        return json.load(f)["mfsdp"]["step"], name
+
+
+def committed(root):
+    return sorted(d for d in os.listdir(root) if d.startswith("step-") and ".partial" not in d)
+
+
+def cmd_resume(args, tmp):
+    """Kill a rank at a random step of a checkpointing job, restart it with MFSDP_RESUME=auto
+    and --start-step at the step the checkpoint names: the final weights and the loss trace
+    from there are bitwise those of the uninterrupted run."""
+    import random
+    nsteps = 12
+    flags = ftc.CASES[args.case] if args.case else []
+    manifest = os.path.join(tmp, "manifest.json")
+    ftc.run(mpirun(args, {}) + [exe_of(args)] + ftc.COMMON + flags +
+            ["--steps", "0", "--optim", "none", "--write-manifest", manifest], manifest + ".log")
+    base = preload_vars(args, manifest)
+    flags += ["--optim", "adamw"]
+    full, full_text = run_job(args, tmp, "full", ["--steps", str(nsteps)] + flags, base)
+    full_loss = ftc.losses(full_text)
+    rng = random.Random(1000 * args.np + (args.flavour == "nccl"))
+    resumed_from = []
+    for i in range(args.rounds):
+        every, keep = rng.randint(1, 4), rng.choice([0, 1, 2])
+        die_step, die_rank = rng.randint(1, nsteps - 1), rng.randrange(args.np)
+        root = os.path.join(tmp, f"ckpt-{i}")
+        v = dict(base, MFSDP_CKPT_DIR=root, MFSDP_CKPT_EVERY=every, MFSDP_CKPT_KEEP=keep,
+                 MFSDP_RESUME="auto")
+        what = (f"round {i}: every {every} keep {keep}, rank {die_rank} killed at step "
+                f"{die_step}")
+        _, proc = run_job(args, tmp, f"die-{i}", ["--steps", str(nsteps), "--die-at",
+                                                  f"{die_step}:{die_rank}"] + flags,
+                          v, expect_ok=False)
+        if proc.returncode == 0:
+            raise SystemExit(f"FAIL: {what}: the killed job exited 0")
+        # Saves run at steps every, 2*every, ... at the first all-gather of the iteration
+        # after that step; one of die_step itself can happen where the dead rank is not in
+        # the saving shard group (HSDP). The newest save may not have committed when the job
+        # died (one at most is in flight: a save waits for the previous one).
+        saves = [None] + list(range(every, die_step + 1, every))
+        step, name = latest_step(root) if os.path.isdir(root) else (None, None)
+        allowed = saves[-3:] if saves[-1] == die_step else saves[-2:]
+        if step not in allowed:
+            raise SystemExit(f"FAIL: {what}: latest checkpoint is step {step}, want one of "
+                             f"{allowed}")
+        start = step or 0
+        w, text = run_job(args, tmp, f"resume-{i}",
+                          ["--steps", str(nsteps), "--start-step", str(start)] + flags, v)
+        if start > 0 and f"mfsdp: resumed from {root} at step {start}" not in text:
+            sys.stdout.write(text[-2000:])
+            raise SystemExit(f"FAIL: {what}: no 'resumed from' line")
+        ftc.compare(w, full, 0.0, f"{what}: resumed at step {start} vs the uninterrupted run")
+        loss = ftc.losses(text)
+        if loss != full_loss[start:]:
+            raise SystemExit(f"FAIL: {what}: loss trace from step {start} differs:\n{loss}\n"
+                             f"{full_loss[start:]}")
+        end, _ = latest_step(root)
+        if end != nsteps:
+            raise SystemExit(f"FAIL: {what}: the run's last checkpoint is step {end}, want "
+                             f"{nsteps}")
+        kept = committed(root)
+        if keep and len(kept) > keep:
+            raise SystemExit(f"FAIL: {what}: MFSDP_CKPT_KEEP={keep} but {kept} remain")
+        resumed_from.append(start)
+    print(f"ok: {args.rounds} kills and restarts ({args.flavour}, {args.np} ranks) bitwise "
+          f"equal to the uninterrupted run; resumed from steps {resumed_from}")
+
+
+def cmd_ckpt_errors(args, tmp):
+    """Checkpoint variables that cannot do what they say stop the job with one error line."""
+    manifest = write_manifest(args, tmp)
+    extra = ["--steps", "3", "--optim", "adamw"]
+    root = os.path.join(tmp, "ckpt")
+    cases = [
+        ("every-without-dir", {"MFSDP_CKPT_EVERY": "2"},
+         ["MFSDP_CKPT_EVERY is set but MFSDP_CKPT_DIR is not"]),
+        ("auto-without-dir", {"MFSDP_RESUME": "auto"}, ["MFSDP_RESUME=auto needs MFSDP_CKPT_DIR"]),
+        ("resume-and-init", {"MFSDP_RESUME": root, "MFSDP_INIT": "/x.safetensors"},
+         ["are both set"]),
+        ("tail-job", {"MFSDP_CKPT_DIR": root, "MFSDP_TAIL": "job"},
+         ["tail \"job\"", "would miss them"]),
+        ("resume-missing", {"MFSDP_RESUME": os.path.join(tmp, "nothing-here")},
+         ["MFSDP_RESUME=", "could not be loaded"]),
+        ("init-missing", {"MFSDP_INIT": os.path.join(tmp, "none.safetensors")},
+         ["MFSDP_INIT=", "could not be loaded"]),
+    ]
+    for tag, kv, needles in cases:
+        w, proc = run_job(args, tmp, tag, extra, preload_vars(args, manifest, **kv),
+                          expect_ok=False)
+        expect_one_error(proc, w, needles, tag)
+    # The same manifest without tail job: a save at the end, then a resume of it with a
+    # manifest of other hyper-parameters is refused (the checkpoint's manifest must match).
+    w, text = run_job(args, tmp, "saved", extra, preload_vars(args, manifest,
+                                                              MFSDP_CKPT_DIR=root))
+    step, _ = latest_step(root)
+    if step != 3:
+        raise SystemExit(f"FAIL: the job's end saved step {step}, want 3")
+    print("ok: a save at the end of the job (step 3)")
+    # MFSDP_INIT: the saved weights exported as one safetensors file start a new job, whose
+    # final all-gather (no step) returns them bitwise.
+    tool = os.path.join(os.path.dirname(args.plan), "mfsdp-ckpt")
+    full = os.path.join(tmp, "full.safetensors")
+    ftc.run([tool, "export-full", root, full], full + ".log")
+    z, _ = run_job(args, tmp, "init", ["--steps", "0", "--optim", "adamw"],
+                   preload_vars(args, manifest, MFSDP_INIT=full))
+    ftc.compare(z, w, 0.0, "MFSDP_INIT from the exported step-3 weights vs the saving job")
+    with open(manifest) as f:
+        m = json.load(f)
+    p = next(p for g in m["groups"] for p in g["params"] if p["optimizer"] == "muon")
+    p["optimizer"] = "adamw"
+    other = os.path.join(tmp, "other-roles.json")
+    with open(other, "w") as f:
+        json.dump(m, f)
+    w, proc = run_job(args, tmp, "mismatch", extra,
+                      preload_vars(args, other, MFSDP_RESUME=root), expect_ok=False)
+    expect_one_error(proc, w, ["could not be loaded", p["name"]],
+                     "resume with a manifest whose roles differ from the checkpoint's")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("case", choices=["muon", "passthrough", "silent", "violation", "record",
-                                     "mode"])
+                                     "mode", "resume", "ckpt-errors"])
+    ap.add_argument("--rounds", type=int, default=10, help="resume: kill-and-restart rounds")
     ap.add_argument("--case", dest="mode_case", choices=sorted(ftc.CASES),
                     help="mode: the fsdp_train situation")
     ap.add_argument("--tail-job", action="store_true", help="mode: MFSDP_TAIL=job")
@@ -286,7 +424,8 @@ def main():
         args.case = args.mode_case
         {"muon": cmd_muon, "passthrough": cmd_passthrough, "silent": cmd_silent,
          "violation": cmd_violation, "record": cmd_record,
-         "mode": cmd_mode}[args.command](args, tmp)
+         "mode": cmd_mode, "resume": cmd_resume,
+         "ckpt-errors": cmd_ckpt_errors}[args.command](args, tmp)
     print("PASS")
 
 
