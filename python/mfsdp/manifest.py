@@ -133,8 +133,10 @@ def build(root_state, root_module=None):
             raise ManifestError(
                 f"group {gname!r} shards over {ws} ranks x {rep} replicas, an earlier group "
                 f"over {world} x {replicate}: one manifest needs one mesh")
-        rs_order = list(g._reduce_scatter_param_indices)
-        if rs_order and rs_order != sorted(rs_order):
+        # Only params that can have a gradient take part in a reduce-scatter.
+        rs_order = [i for i in g._reduce_scatter_param_indices
+                    if g.fsdp_params[i].sharded_param.requires_grad]
+        if rs_order != sorted(rs_order):
             raise ManifestError(
                 f"group {gname!r}: FSDP2 packs the reduce-scatter in another param order than "
                 "the all-gather (params with different gradient dtypes); give the group one "

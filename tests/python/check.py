@@ -58,6 +58,7 @@ CONFIGS = {
     "accum2": ["--accum", "2"],
     "titan": ["--wrap", "titan"],
     "eval": ["--eval-every", "1"],
+    "accum2_eval": ["--accum", "2", "--eval-every", "1"],
     "tied": ["--tied"],
     "clip": ["--clip", "0.05"],
     "cosine": ["--warmup", "2", "--steps", "7", "--min-lr-ratio", "0.0"],
@@ -399,8 +400,9 @@ def cmd_adapter(args, r):
         if n == 0:
             fail("the adapter run put nothing on the test NCCL library")
         print(f"ok: {n} FSDP2 collectives of rank 0 went through the test NCCL library")
-    compare(b, a, ADAPTER_TOL, f"adapter vs gloo, {args.config} at {args.np} ranks")
-    check_trained(a, args.np, flags, r, "gloo run")
+    # Up to 2 ranks a sum of two values does not depend on its order: bitwise equal.
+    compare(b, a, 0.0 if args.np <= 2 else ADAPTER_TOL,
+            f"adapter vs gloo, {args.config} at {args.np} ranks")
 
 
 # Summation order inside an avg reduce-scatter differs between gloo and MPI from 3 ranks on,
@@ -413,11 +415,18 @@ def cmd_reference(args, r):
     flags = job_flags(args.config)
     a = os.path.join(r.tmp, "job.pt")
     b = os.path.join(r.tmp, "ref.pt")
-    r.job(args.np, flags, out=a, log="job")
+    p = r.job(args.np, flags, out=a, log="job")
     r.reference(args.np, flags, b)
+    if "--clip" in flags:  # the test must really clip
+        clip = float(flags[flags.index("--clip") + 1])
+        norms = [float(x) for x in re.findall(r" norm ([0-9.eE+-]+)", p.stdout)]
+        if not norms or max(norms) <= clip:
+            fail(f"clip_grad_norm_ never clipped (norms {norms}, max_norm {clip})")
+        print(f"ok: clip_grad_norm_ clipped (norms {', '.join(f'{x:.3f}' for x in norms)})")
     tol = REFERENCE_TOL.get(args.config, REFERENCE_TOL["default"])
     compare(a, b, tol, f"job (AdamW, gloo) vs reference, {args.config} at {args.np} ranks")
-    check_trained(a, args.np, flags, r, "job")
+    if args.config == "default":
+        check_trained(a, args.np, flags, r, "job")
 
 
 def cmd_muon_refs(args, r):
@@ -427,7 +436,7 @@ def cmd_muon_refs(args, r):
         out[optim] = os.path.join(r.tmp, f"{optim}.pt")
         r.reference(2, flags, out[optim], optim)
     compare(out["muon32"], out["muon64"], 1e-5, "float32 vs float64 Muon reference")
-    compare(out["torch-muon"], out["muon64"], 5e-2, "torch.optim.Muon (bf16 NS) vs float64 Muon")
+    compare(out["torch-muon"], out["muon64"], TORCH_MUON_TOL, "torch.optim.Muon (bf16 NS) vs float64 Muon")
     a, b = load(out["muon64"]), load(out["adamw"])
     diff = max(float((a[k] - b[k]).abs().max()) for k in a if "blocks" in k and a[k].ndim == 2)
     if diff < 1e-3:
@@ -510,12 +519,15 @@ def cmd_manifest_cli(args, r):
         fail("python -m mfsdp.manifest wrote no manifest")
     with open(out) as f:
         written = json.load(f)
-    prefix = os.path.join(r.tmp, "trace")
-    r.job(args.np, flags, adapter=True, fake_shim=prefix, log="registered")
-    with open(f"{prefix}.0.manifest0.json") as f:
-        registered = json.load(f)
-    if written != registered:
-        fail("the written manifest differs from the registered one")
+    if written["world_size"] != args.np:
+        fail(f"manifest world_size {written['world_size']} at {args.np} ranks")
+    if args.np > 1:  # at 1 rank the tagging companion refuses (no FSDP2 collectives)
+        prefix = os.path.join(r.tmp, "trace")
+        r.job(args.np, flags, adapter=True, fake_shim=prefix, log="registered")
+        with open(f"{prefix}.0.manifest0.json") as f:
+            registered = json.load(f)
+        if written != registered:
+            fail("the written manifest differs from the registered one")
     if args.plan:
         p = r.run([args.plan, out, "--world-size", str(written["world_size"])], r.env(),
                   "mfsdp-plan", expect_ok=False)
@@ -540,6 +552,10 @@ def need_shim(args):
         skip("the shim has no tagged mode yet (no mfsdp_shim_abi_version symbol)")
 
 
+# torch.optim.Muon runs Newton-Schulz in bfloat16: 4.1e-3 after 6 steps at 2 ranks (measured).
+TORCH_MUON_TOL = 2e-2
+# mfsdp's CPU Newton-Schulz is float32 (float32 vs float64 Muon: 3.1e-7 after 6 steps), and
+# owners sum gradients in another order than FSDP's avg: 1e-4 leaves two orders of margin.
 E2E_TOL = {"default": 1e-4, "bf16": 3e-2}
 
 
@@ -563,7 +579,7 @@ def cmd_e2e(args, r):
     compare(out, ref, tol, f"mfsdp-run {args.config} at {args.np} ranks vs float64 Muon")
     tref = os.path.join(r.tmp, "reftorch.pt")
     r.reference(args.np, flags, tref, "torch-muon")
-    compare(out, tref, 5e-2, f"mfsdp-run {args.config} at {args.np} ranks vs torch.optim.Muon")
+    compare(out, tref, TORCH_MUON_TOL, f"mfsdp-run {args.config} at {args.np} ranks vs torch.optim.Muon")
 
 
 def cmd_untagged(args, r):
@@ -580,13 +596,29 @@ def cmd_untagged(args, r):
     print("ok: the untagged all-gather on a tagged communicator stopped the job")
 
 
+def test_python():
+    """The venv Python with torch: MFSDP_TEST_PYTHON (scripts/test.sh sets it), else the one
+    scripts/python-venv.sh finds or creates. No torch is a failure, never a skip."""
+    py = os.environ.get("MFSDP_TEST_PYTHON", "")
+    if not py:
+        p = subprocess.run(["bash", os.path.join(REPO, "scripts", "python-venv.sh")],
+                           stdout=subprocess.PIPE, text=True)
+        lines = p.stdout.strip().splitlines()
+        if p.returncode != 0 or not lines:
+            fail("no Python with torch 2.15: scripts/python-venv.sh failed (see above)")
+        py = lines[-1]
+    if not os.access(py, os.X_OK):
+        fail(f"MFSDP_TEST_PYTHON={py} is not an executable")
+    return py
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("test", choices=["layout", "adapter", "reference", "muon-refs", "refusals",
                                      "manifest-cli", "e2e", "untagged"])
     ap.add_argument("config", nargs="?", default="default", choices=sorted(CONFIGS))
     ap.add_argument("--np", type=int, default=2)
-    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--python", default="", help="Python with torch (default: test_python())")
     ap.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
     ap.add_argument("--fake-nccl", default=os.path.join(REPO, "build", "tests", "lib",
                                                         "libnccl_mpi_fake.so"))
@@ -595,6 +627,13 @@ def main():
     ap.add_argument("--plan", default=os.path.join(REPO, "build", "tools", "mfsdp-plan"))
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = ap.parse_args()
+    if not args.python:
+        args.python = test_python()
+    if os.path.realpath(sys.executable) != os.path.realpath(args.python) and \
+            not os.environ.get("MFSDP_CHECK_REEXEC"):
+        # The checks load torch tensors: run them under the venv's Python.
+        os.environ["MFSDP_CHECK_REEXEC"] = "1"
+        os.execv(args.python, [args.python] + sys.argv + ["--python", args.python])
     if args.test in ("layout", "adapter", "manifest-cli", "untagged", "e2e") and \
             not os.path.exists(args.fake_nccl):
         fail(f"the test NCCL library {args.fake_nccl} was not built")
