@@ -629,7 +629,9 @@ def main():
     args = ap.parse_args()
     if not args.python:
         args.python = test_python()
-    if os.path.realpath(sys.executable) != os.path.realpath(args.python) and \
+    import importlib.util
+    if (importlib.util.find_spec("torch") is None or
+            os.path.abspath(sys.executable) != os.path.abspath(args.python)) and \
             not os.environ.get("MFSDP_CHECK_REEXEC"):
         # The checks load torch tensors: run them under the venv's Python.
         os.environ["MFSDP_CHECK_REEXEC"] = "1"
