@@ -126,10 +126,10 @@ class Companion:
             for gi, (g, _) in enumerate(layout):
                 self.group_root[id(g)] = (root, gi)
         self._hook_state_dict(root)
-        nowned = len(root.owned)
-        _log(f"registered {len(layout)} FSDP2 groups of {type(module).__name__} "
-             f"({nowned} owner-managed matrices, world {manifest['world_size']} x "
-             f"{manifest['replicate']})") if rank == 0 else None
+        if rank == 0:
+            _log(f"registered {len(layout)} FSDP2 groups of {type(module).__name__} "
+                 f"({len(root.owned)} owner-managed matrices, world {manifest['world_size']} "
+                 f"x {manifest['replicate']})")
 
     # ---- tagging ---------------------------------------------------------------------
 

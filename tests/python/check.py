@@ -17,6 +17,7 @@ and examples/pytorch/train_fsdp2.py. One test per invocation:
                            trainer (tests/python/reference.py --optim adamw).
   muon-refs                the reference's Muon variants agree: float32 vs float64 Muon
                            (DESIGN.md section 5) and torch.optim.Muon (bf16 Newton-Schulz).
+  package                  pip builds a pure-Python wheel whose mfsdp-run console script runs.
   refusals                 mfsdp-run refuses clearly: shim not found, MFSDP_PRELOAD_LIB
                            missing, unknown torch version, unknown FSDP2 source; the
                            companion refuses without the preloaded shim.
@@ -100,15 +101,26 @@ class Runner:
         return env
 
     def mpirun(self, np, cmd, extra_env=None, log="run", expect_ok=True, timeout=240):
-        env = self.env()
-        extra = dict(extra_env or {})
-        extra["MASTER_PORT"] = str(free_port())
-        env.update(extra)
-        full = [self.a.mpirun, "-np", str(np)] + MPIRUN_FLAGS
-        for k in sorted(set(extra) | {"PYTHONPATH", "OMP_NUM_THREADS"}):
-            full += ["-x", k]
-        full += cmd
-        return self.run(full, env, log, expect_ok, timeout)
+        for attempt in range(3):
+            env = self.env()
+            extra = dict(extra_env or {})
+            # torch's TCPStore rendezvous port; another job on the machine may take it
+            # between free_port() and the bind: only that failure is retried.
+            extra["MASTER_PORT"] = str(free_port())
+            env.update(extra)
+            full = [self.a.mpirun, "-np", str(np)] + MPIRUN_FLAGS
+            for k in sorted(set(extra) | {"PYTHONPATH", "OMP_NUM_THREADS"}):
+                full += ["-x", k]
+            full += cmd
+            proc = self.run(full, env, log, False, timeout)
+            if proc.returncode != 0 and "address already in use" in proc.stdout.lower():
+                print(f"note: rendezvous port {extra['MASTER_PORT']} was taken, retrying")
+                continue
+            break
+        if expect_ok and proc.returncode != 0:
+            sys.stdout.write(proc.stdout[-6000:])
+            fail(f"exit status {proc.returncode}: {' '.join(full)}")
+        return proc
 
     def run(self, cmd, env, log, expect_ok=True, timeout=240):
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -231,7 +243,10 @@ def cmd_layout(args, r):
     np = args.np
     flags = job_flags(args.config)
     prefix = os.path.join(r.tmp, "trace")
-    r.job(np, flags, adapter=True, fake_shim=prefix, log="layout")
+    # --save: the job's state_dict() triggers the companion's write-back (SYNC tags).
+    proc = r.job(np, flags, out=os.path.join(r.tmp, "saved.pt"), adapter=True,
+                 fake_shim=prefix, log="layout")
+    norms = [float(x) for x in re.findall(r" norm ([0-9.eE+-]+)", proc.stdout)]
     jargs = job.parse_args(flags)
     lam = job.lr_lambda(jargs)
     manifests = []
@@ -247,7 +262,9 @@ def cmd_layout(args, r):
         if glob.glob(f"{prefix}.{rank}.manifest1.json"):
             fail("a second manifest was registered for one FSDP2 root")
         check_manifest(m, facts, rank, np, args.config)
-        check_wire(m, parse_trace(f"{prefix}.{rank}"), rank, np, args.config, jargs, lam)
+        events = parse_trace(f"{prefix}.{rank}")
+        check_wire(m, events, rank, np, args.config, jargs, lam)
+        check_clip(events, rank, jargs, norms)
     if any(m != manifests[0] for m in manifests):
         fail("ranks registered different manifests")
     ngroups = len(manifests[0]["groups"])
@@ -307,12 +324,33 @@ def check_manifest(m, facts, rank, np, config):
                 fail(f"group {g['name']}: bf16 params / fp32 reduce not described")
 
 
+def check_clip(events, rank, jargs, norms):
+    """clip_grad_norm_ asks the shim for the owners' squared norm and scales the owners'
+    gradients by the coefficient torch uses: min(max_norm / (norm + 1e-6), 1)."""
+    sq = [e for e in events if e[0] == "sqnorm"]
+    sc = [float(e[2]) for e in events if e[0] == "scale"]
+    if jargs.clip <= 0:
+        if sq or sc:
+            fail(f"rank {rank}: owners' norm queried without clip_grad_norm_")
+        return
+    if len(sq) != jargs.steps or len(sc) != jargs.steps or len(norms) != jargs.steps:
+        fail(f"rank {rank}: {len(sq)} norm queries, {len(sc)} scalings, {len(norms)} norms "
+             f"printed for {jargs.steps} steps")
+    for coef, norm in zip(sc, norms):
+        want = min(jargs.clip / (norm + 1e-6), 1.0)
+        if abs(coef - want) > 1e-5 * want:
+            fail(f"rank {rank}: owners' gradients scaled by {coef}, torch's rule gives {want}")
+    if min(sc) >= 1.0:
+        fail(f"rank {rank}: the clip test never clipped (coefficients {sc})")
+
+
 def check_wire(m, events, rank, np, config, jargs, lam):
     rep = m["replicate"]
     ws = m["world_size"]
     groups = m["groups"]
     counts = {"allgather": 0, "reduce_scatter": 0, "allreduce": 0}
     steps = []
+    syncs = []
     i = 0
     if not events or events[0] != ("register", 0):
         fail(f"rank {rank}: the trace does not start with the registration")
@@ -371,8 +409,21 @@ def check_wire(m, events, rank, np, config, jargs, lam):
                 fail(f"rank {rank}: {kind} of {g['name']}: wire count {count} dtype {dtype} op "
                      f"{op} inplace {inplace} nranks {nranks}, layout says {want_n} dtype "
                      f"{want_dt} op {want_op} inplace {want_inplace} over {want_ranks}")
+        elif tkind == 3:  # weight write-back before state_dict()
+            if kind != "allgather":
+                fail(f"rank {rank}: sync tag of {g['name']} before a {kind}")
+            want_n = sum(s for _, s, _ in lay)
+            if (count, dtype, inplace, nranks) != (want_n, NCCL_DT["float32"], 1, ws):
+                fail(f"rank {rank}: write-back of {g['name']}: wire count {count} dtype {dtype}"
+                     f" inplace {inplace} nranks {nranks}, expected float32 {want_n} in place")
+            syncs.append((gi, len(steps)))
         else:
             fail(f"rank {rank}: unexpected tag kind {tkind}")
+    owner_groups = [gi for gi, g in enumerate(groups)
+                    if any(p["optimizer"] == "muon" and p["requires_grad"] for p in g["params"])]
+    if [gi for gi, _ in syncs] != owner_groups or any(n != jargs.steps for _, n in syncs):
+        fail(f"rank {rank}: write-backs {syncs} (group, steps before), expected one per group "
+             f"with owner-managed params {owner_groups} after the last step")
     if pending is not None:
         fail(f"rank {rank}: tag {pending} was never followed by its collective")
     if np // rep > 1 and (counts["allgather"] == 0 or counts["reduce_scatter"] == 0):
@@ -508,6 +559,31 @@ def expect_refusal(p, *needles):
     print(f"ok: refused ({p.returncode}): {first[:150]}")
 
 
+def cmd_package(args, r):
+    """pip builds the package (pure Python) and its mfsdp-run console script works."""
+    env = r.env()
+    whl = os.path.join(r.tmp, "wheel")
+    target = os.path.join(r.tmp, "site")
+    r.run([args.python, "-m", "pip", "wheel", PYPKG, "--no-deps", "--no-build-isolation", "-q",
+           "-w", whl], env, "pip-wheel")
+    wheels = glob.glob(os.path.join(whl, "mfsdp-*-py3-none-any.whl"))
+    if len(wheels) != 1:
+        fail(f"expected one pure-Python wheel, got {os.listdir(whl)}")
+    r.run([args.python, "-m", "pip", "install", "-q", "--no-deps", "--target", target,
+           wheels[0]], env, "pip-install")
+    for rel in ("mfsdp/_boot/sitecustomize.py", "mfsdp/companion.py", "bin/mfsdp-run"):
+        if not os.path.exists(os.path.join(target, rel)):
+            fail(f"the installed package lacks {rel}")
+    e = dict(env, PYTHONPATH=target,
+             MFSDP_PRELOAD_LIB=os.path.join(r.tmp, "missing", "libmfsdp_preload.so"))
+    p = r.run([args.python, os.path.join(target, "bin", "mfsdp-run"), "true"], e,
+              "console-script", expect_ok=False)
+    expect_refusal(p, "MFSDP_PRELOAD_LIB=", "no such file")
+    for junk in glob.glob(os.path.join(PYPKG, "*.egg-info")) + [os.path.join(PYPKG, "build")]:
+        shutil.rmtree(junk, ignore_errors=True)
+    print(f"ok: {os.path.basename(wheels[0])} installs mfsdp and a working mfsdp-run")
+
+
 # ---- manifest CLI ------------------------------------------------------------------------
 
 def cmd_manifest_cli(args, r):
@@ -615,6 +691,7 @@ def test_python():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("test", choices=["layout", "adapter", "reference", "muon-refs", "refusals",
+                                     "package",
                                      "manifest-cli", "e2e", "untagged"])
     ap.add_argument("config", nargs="?", default="default", choices=sorted(CONFIGS))
     ap.add_argument("--np", type=int, default=2)
@@ -645,7 +722,7 @@ def main():
     try:
         r = Runner(args, tmp)
         {"layout": cmd_layout, "adapter": cmd_adapter, "reference": cmd_reference,
-         "muon-refs": cmd_muon_refs, "refusals": cmd_refusals,
+         "muon-refs": cmd_muon_refs, "refusals": cmd_refusals, "package": cmd_package,
          "manifest-cli": cmd_manifest_cli, "e2e": cmd_e2e, "untagged": cmd_untagged}[
             args.test](args, r)
     finally:
