@@ -267,6 +267,7 @@ def cmd_layout(args, r):
         check_clip(events, rank, jargs, norms)
     if any(m != manifests[0] for m in manifests):
         fail("ranks registered different manifests")
+    check_handover(r, np, flags, manifests[0], os.path.join(r.tmp, "saved.pt"), args.config)
     ngroups = len(manifests[0]["groups"])
     nparams = sum(len(g["params"]) for g in manifests[0]["groups"])
     print(f"ok: layout {args.config} at {np} ranks: {ngroups} groups, {nparams} params match "
@@ -322,6 +323,35 @@ def check_manifest(m, facts, rank, np, config):
             if g.get("reduce_dtype") != "float32" or any(p["dtype"] != "bfloat16"
                                                          for p in g["params"]):
                 fail(f"group {g['name']}: bf16 params / fp32 reduce not described")
+
+
+def check_handover(r, np, flags, manifest, saved, config):
+    """With a shim that moves no data, owner-managed params must (a) never be touched by the
+    job's optimizer (their .grad is None after the reduce), so the job's tail trains exactly
+    as the frozen-muon reference's, and (b) be replaced in the saved state_dict by what the
+    write-back all-gather delivered (zeros here)."""
+    ref = os.path.join(r.tmp, "frozen-muon.pt")
+    r.reference(np, flags, ref, "frozen-muon")
+    a, b = load(saved), load(ref)
+    owned = {p["name"] for g in manifest["groups"] for p in g["params"]
+             if p["optimizer"] == "muon" and p["requires_grad"]}
+    if not owned:
+        fail("no owner-managed params in the manifest")
+    tol = REFERENCE_TOL.get(config, REFERENCE_TOL["default"])
+    worst = 0.0
+    for k in sorted(b):
+        if k in owned:
+            if bool(a[k].any()):
+                fail(f"{k}: the saved state does not hold the write-back's data")
+            continue
+        x, y = a[k].double(), b[k].double()
+        rel = float((x - y).abs().max()) / max(float(y.abs().max()), 1e-30)
+        worst = max(worst, rel)
+        if rel > tol:
+            fail(f"{k}: the job's tail vs the frozen-muon reference {rel:.3e} > {tol:g} (did "
+                 "the job's optimizer touch an owner-managed param?)")
+    print(f"ok: {len(owned)} owner-managed params skipped by the job's optimizer and written "
+          f"back at save; tail within {tol:g} of the reference (worst {worst:.3e})")
 
 
 def check_clip(events, rank, jargs, norms):

@@ -16,6 +16,9 @@ Optimizers (--optim):
   muon32     the same Muon in float32 (the precision of mfsdp's CPU Newton-Schulz).
   torch-muon torch.optim.Muon for the block matrices (its Newton-Schulz runs in bfloat16 and
              normalises by max(||X||, eps) instead of ||X|| + 1e-7), AdamW for the rest.
+  frozen-muon the block matrices never change and their gradients are left out of the clip
+             norm; AdamW trains the rest: what the job does under the companion with a shim
+             that moves no data (tests/python/launch/fake_shim.py).
 Muon's lr is mfsdp's default (0.02, --muon-lr), multiplied by the job's lr factor each step.
 
 Writes {name: tensor} (torch.save) of the final weights to --out.
@@ -131,6 +134,9 @@ def train(args, world, optim, muon_lr=0.02):
                     continue
                 avg = torch.stack([g.float() for g in gs]).sum(0) / world
                 acc[n] = avg if acc[n] is None else acc[n] + avg
+        if optim == "frozen-muon":
+            for n in muon_names:
+                acc[n] = None
         for n in names:
             trainable[n].grad = acc[n]
         if args.clip > 0:
@@ -159,7 +165,8 @@ def train(args, world, optim, muon_lr=0.02):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--optim", choices=["adamw", "muon64", "muon32", "torch-muon"],
+    ap.add_argument("--optim", choices=["adamw", "muon64", "muon32", "torch-muon",
+                                        "frozen-muon"],
                     default="adamw")
     ap.add_argument("--muon-lr", type=float, default=0.02)
     ap.add_argument("--out", required=True)
