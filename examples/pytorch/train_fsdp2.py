@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="warmup steps of the LambdaLR")
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--constant-lr", action="store_true", help="no LambdaLR")
+    p.add_argument("--manual-lr", action="store_true",
+                   help="the same schedule, set in group['lr'] by the loop (no LRScheduler)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--eval-every", type=int, default=0, help="no-grad eval every k steps")
     p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ max_norm (0: off)")
@@ -175,7 +177,7 @@ def make_optimizer(args, params):
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=args.eps,
                             weight_decay=args.weight_decay)
     sched = None
-    if not args.constant_lr:
+    if not args.constant_lr and not args.manual_lr:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     return opt, sched
 
@@ -237,6 +239,9 @@ def main(argv=None):
         norm = None
         if args.clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        if args.manual_lr:
+            for group in opt.param_groups:
+                group["lr"] = args.lr * lr_lambda(args)(step)
         opt.step()
         opt.zero_grad()
         if sched is not None:

@@ -234,8 +234,23 @@ class Companion:
     # ---- optimizer step ----------------------------------------------------------------
 
     def _hook_optimizer(self):
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        import weakref
+
+        from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
         comp = self
+        # The lr each param group was created with: the "initial lr" of a job that sets
+        # group["lr"] itself (no LRScheduler, which would record group["initial_lr"]).
+        self._lr0 = weakref.WeakKeyDictionary()
+        orig_add = Optimizer.add_param_group
+        if not getattr(orig_add, "_mfsdp", False):
+            def add_param_group(optimizer, param_group):
+                orig_add(optimizer, param_group)
+                lr = optimizer.param_groups[-1].get("lr")
+                if lr is not None:
+                    lr = float(lr.item() if hasattr(lr, "item") else lr)
+                    comp._lr0.setdefault(optimizer, []).append(lr)
+            add_param_group._mfsdp = True
+            Optimizer.add_param_group = add_param_group
 
         def pre_step(optimizer, args, kwargs):
             comp.on_optimizer_step(optimizer)
@@ -261,13 +276,15 @@ class Companion:
             self.shim.step(root.handle, factor)
             root.dirty = True
 
-    @staticmethod
-    def _lr_factor(optimizer, i, group):
+    def _lr_factor(self, optimizer, i, group):
         lr = group["lr"]
         lr = float(lr.item() if hasattr(lr, "item") else lr)
+        created = getattr(self, "_lr0", {}).get(optimizer, [])
         if "initial_lr" in group:  # set by every torch LRScheduler
             init = group["initial_lr"]
-        else:
+        elif i < len(created):  # the lr the group was created with
+            init = created[i]
+        else:  # created before the companion was loaded: its lr at the first step
             seen = optimizer.__dict__.setdefault("_mfsdp_initial_lr", {})
             init = seen.setdefault(i, lr)
         init = float(init.item() if hasattr(init, "item") else init)

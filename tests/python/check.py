@@ -65,6 +65,7 @@ CONFIGS = {
     "cosine": ["--warmup", "2", "--steps", "7", "--min-lr-ratio", "0.0"],
     "hsdp": ["--hsdp", "2"],
     "reshard_root": ["--reshard-root"],
+    "manual_lr": ["--manual-lr"],
 }
 STEPS = ["--steps", "4"]
 NCCL_DT = {"float32": 7, "bfloat16": 9, "float16": 6}

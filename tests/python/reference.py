@@ -146,6 +146,9 @@ def train(args, world, optim, muon_lr=0.02):
             for g in gl:
                 g.mul_(coef)
         factor = 1.0 if args.constant_lr else lam(step)
+        if args.manual_lr:
+            for group in opt.param_groups:
+                group["lr"] = args.lr * factor
         opt.step()
         if isinstance(muon, Muon64):
             muon.step(factor)
