@@ -17,6 +17,12 @@ and examples/pytorch/train_fsdp2.py. One test per invocation:
                            trainer (tests/python/reference.py --optim adamw).
   muon-refs                the reference's Muon variants agree: float32 vs float64 Muon
                            (DESIGN.md section 5) and torch.optim.Muon (bf16 Newton-Schulz).
+  units                    tests/python/units.py: shim binding, version guard, shim search,
+                           path hook chaining (no FSDP2 job).
+  errors --np 4|1          tests/python/errors_job.py: every refusal of the companion inside
+                           a real FSDP2 job (Shard(1), reshard_after_forward=int, two meshes,
+                           bad MFSDP_PY_ADAMW, divide rule changed, clip norm_type, two lr
+                           schedules, bad MFSDP_COMPANION; at 1 rank: world size 1).
   package                  pip builds a pure-Python wheel whose mfsdp-run console script runs.
   refusals                 mfsdp-run refuses clearly: shim not found, MFSDP_PRELOAD_LIB
                            missing, unknown torch version, unknown FSDP2 source; the
@@ -615,6 +621,24 @@ def cmd_package(args, r):
     print(f"ok: {os.path.basename(wheels[0])} installs mfsdp and a working mfsdp-run")
 
 
+def cmd_units(args, r):
+    p = r.run([args.python, os.path.join(HERE, "units.py")], r.env(), "units", expect_ok=False)
+    sys.stdout.write(p.stdout)
+    if p.returncode != 0 or "units:" not in p.stdout:
+        fail(f"units.py exit status {p.returncode}")
+
+
+def cmd_errors(args, r):
+    p = r.mpirun(args.np, [args.python, os.path.join(HERE, "errors_job.py")], log="errors",
+                 expect_ok=False)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(("ok:", "errors:", "FAIL"))]
+    print("\n".join(lines))
+    want = 8 if args.np == 4 else 1
+    if p.returncode != 0 or f"errors: {want} cases ok" not in p.stdout:
+        sys.stdout.write(p.stdout[-4000:])
+        fail(f"errors_job.py at {args.np} ranks: exit status {p.returncode}")
+
+
 # ---- manifest CLI ------------------------------------------------------------------------
 
 def cmd_manifest_cli(args, r):
@@ -722,7 +746,7 @@ def test_python():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("test", choices=["layout", "adapter", "reference", "muon-refs", "refusals",
-                                     "package",
+                                     "package", "units", "errors",
                                      "manifest-cli", "e2e", "untagged"])
     ap.add_argument("config", nargs="?", default="default", choices=sorted(CONFIGS))
     ap.add_argument("--np", type=int, default=2)
@@ -754,6 +778,7 @@ def main():
         r = Runner(args, tmp)
         {"layout": cmd_layout, "adapter": cmd_adapter, "reference": cmd_reference,
          "muon-refs": cmd_muon_refs, "refusals": cmd_refusals, "package": cmd_package,
+         "units": cmd_units, "errors": cmd_errors,
          "manifest-cli": cmd_manifest_cli, "e2e": cmd_e2e, "untagged": cmd_untagged}[
             args.test](args, r)
     finally:
