@@ -72,6 +72,7 @@ CONFIGS = {
     "hsdp": ["--hsdp", "2"],
     "reshard_root": ["--reshard-root"],
     "manual_lr": ["--manual-lr"],
+    "tied_manual_lr": ["--tied", "--manual-lr"],
 }
 STEPS = ["--steps", "4"]
 NCCL_DT = {"float32": 7, "bfloat16": 9, "float16": 6}
@@ -524,7 +525,8 @@ def cmd_muon_refs(args, r):
         out[optim] = os.path.join(r.tmp, f"{optim}.pt")
         r.reference(2, flags, out[optim], optim)
     compare(out["muon32"], out["muon64"], 1e-5, "float32 vs float64 Muon reference")
-    compare(out["torch-muon"], out["muon64"], TORCH_MUON_TOL, "torch.optim.Muon (bf16 NS) vs float64 Muon")
+    compare(out["torch-muon"], out["muon64"], TORCH_MUON_TOL,
+            "torch.optim.Muon (bf16 NS) vs float64 Muon")
     a, b = load(out["muon64"]), load(out["adamw"])
     diff = max(float((a[k] - b[k]).abs().max()) for k in a if "blocks" in k and a[k].ndim == 2)
     if diff < 1e-3:
@@ -584,6 +586,12 @@ def cmd_refusals(args, r):
     # 5. usage
     p = r.run(run_cmd, env, "usage", expect_ok=False)
     expect_refusal(p, "usage: mfsdp-run")
+    p = r.run([args.python, "-m", "mfsdp.manifest", "out.json", "python"], env, "usage-manifest",
+              expect_ok=False)
+    expect_refusal(p, "usage: python -m mfsdp.manifest OUT.json -- COMMAND")
+    p = r.run(run_cmd + [os.path.join(r.tmp, "no-such-command")],
+              dict(env, MFSDP_PRELOAD_LIB=args.python), "no-command", expect_ok=False)
+    expect_refusal(p, "mfsdp-run: cannot run")
 
 
 def expect_refusal(p, *needles):
@@ -708,9 +716,11 @@ def cmd_e2e(args, r):
     # The saved state is the job's own state_dict() after the companion's write-back, so
     # this compares the owners' weights (Muon matrices) and the job's AdamW tail alike.
     compare(out, ref, tol, f"mfsdp-run {args.config} at {args.np} ranks vs float64 Muon")
-    tref = os.path.join(r.tmp, "reftorch.pt")
-    r.reference(args.np, flags, tref, "torch-muon")
-    compare(out, tref, TORCH_MUON_TOL, f"mfsdp-run {args.config} at {args.np} ranks vs torch.optim.Muon")
+    if args.config == "default":  # torch's own Muon, at bf16 accuracy
+        tref = os.path.join(r.tmp, "reftorch.pt")
+        r.reference(args.np, flags, tref, "torch-muon")
+        compare(out, tref, TORCH_MUON_TOL,
+                f"mfsdp-run {args.config} at {args.np} ranks vs torch.optim.Muon")
 
 
 def cmd_untagged(args, r):
