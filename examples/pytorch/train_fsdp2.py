@@ -132,7 +132,7 @@ def build_model(args):
     model = Transformer(args)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name == "norm.weight":
+            if name.endswith(("norm1.weight", "norm2.weight")) or name == "norm.weight":
                 p.uniform_(0.8, 1.2)  # not all ones, so a layout error would show
             elif p.ndim == 1:
                 p.uniform_(-0.05, 0.05)

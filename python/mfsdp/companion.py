@@ -311,16 +311,18 @@ class Companion:
                                  "owners' gradients for the 2-norm only")
         from torch.distributed.tensor import DTensor
         grads = [p.grad for p in parameters if p.grad is not None]
-        local = torch.zeros((), dtype=torch.float64)
+        dev = root.layout[0][0].device
+        norms = []
         for gr in grads:
             if not isinstance(gr, DTensor):
                 raise CompanionError("clip_grad_norm_: a gradient that FSDP2 does not shard "
                                      "(not a DTensor) next to owner-managed params")
-            t = gr.to_local()
-            local += torch.linalg.vector_norm(t, 2, dtype=torch.float32).double().cpu() ** 2
-        local += self.shim.grad_sqnorm(root.handle)
-        dev = root.layout[0][0].device
-        total_sq = local.to(dev)
+            norms.append(torch.linalg.vector_norm(gr.to_local(), 2, dtype=torch.float32))
+        # One device tensor, one host sync (the .item() after the all-reduce).
+        total_sq = torch.full((), self.shim.grad_sqnorm(root.handle), dtype=torch.float64,
+                              device=dev)
+        if norms:
+            total_sq += torch.stack(norms).to(dev).double().square().sum()
         # Every FSDP2 shard holds a disjoint slice and every owner a disjoint tensor: one sum
         # over the shard group is the global squared norm (HSDP replicas hold equal copies).
         self.dist.all_reduce(total_sq, group=root.shard_group)
@@ -334,7 +336,7 @@ class Companion:
         for gr in grads:
             gr.mul_(coef)
         self.shim.scale_grads(root.handle, coef)
-        return torch.tensor(total, dtype=grads[0].dtype if grads else torch.float32)
+        return torch.tensor(total, dtype=grads[0].dtype if grads else torch.float32, device=dev)
 
     # ---- checkpoints -------------------------------------------------------------------
 
