@@ -103,7 +103,8 @@ class Runner:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONPATH"] = os.pathsep.join([LAUNCH, PYPKG])
-        for k in ("MFSDP_TEST_NCCL_LIB", "MFSDP_TEST_FAKE_SHIM", "FAKE_NCCL_TRACE", "RANK",
+        for k in ("MFSDP_TEST_NCCL_LIB", "MFSDP_TEST_FAKE_SHIM", "MFSDP_TEST_EMU_SHIM",
+                  "FAKE_NCCL_TRACE", "RANK",
                   "WORLD_SIZE", "LOCAL_RANK", "MFSDP_COMPANION", "LD_PRELOAD"):
             env.pop(k, None)
         return env
@@ -600,8 +601,8 @@ def expect_refusal(p, *needles):
     for n in needles:
         if n not in p.stdout:
             fail(f"refusal lacks {n!r}: {p.stdout[-2000:]}")
-    first = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
-    print(f"ok: refused ({p.returncode}): {first[:150]}")
+    lines = [ln for ln in p.stdout.splitlines() if needles[0] in ln] or [""]
+    print(f"ok: refused ({p.returncode}): {lines[0].strip()[:150]}")
 
 
 def cmd_package(args, r):
@@ -698,11 +699,19 @@ TORCH_MUON_TOL = 2e-2
 E2E_TOL = {"default": 1e-4, "bf16": 3e-2}
 
 
-def cmd_e2e(args, r):
+def shim_mode(args):
+    """(wrapper, environment) of a job under mfsdp: mfsdp-run with the real shim, or with
+    --emu the companion with the Python emulation of the shim (tests/python/launch/
+    emu_shim.py) that the adapter hands every collective."""
+    if args.emu:
+        return [], {"MFSDP_TEST_EMU_SHIM": "1"}
     need_shim(args)
+    return [args.python, "-m", "mfsdp.run"], {"MFSDP_PRELOAD_LIB": args.preload}
+
+
+def cmd_e2e(args, r):
     flags = job_flags(args.config)
-    wrap = [args.python, "-m", "mfsdp.run"]
-    env = {"MFSDP_PRELOAD_LIB": args.preload}
+    wrap, env = shim_mode(args)
     out = os.path.join(r.tmp, "mfsdp.pt")
     if args.np == 1:
         p = r.job(1, flags, out=out, adapter=True, wrap=wrap, extra_env=env, log="e2e",
@@ -715,20 +724,20 @@ def cmd_e2e(args, r):
     tol = E2E_TOL.get(args.config, E2E_TOL["default"])
     # The saved state is the job's own state_dict() after the companion's write-back, so
     # this compares the owners' weights (Muon matrices) and the job's AdamW tail alike.
-    compare(out, ref, tol, f"mfsdp-run {args.config} at {args.np} ranks vs float64 Muon")
+    what = "emulated shim" if args.emu else "mfsdp-run"
+    compare(out, ref, tol, f"{what} {args.config} at {args.np} ranks vs float64 Muon")
     if args.config == "default":  # torch's own Muon, at bf16 accuracy
         tref = os.path.join(r.tmp, "reftorch.pt")
         r.reference(args.np, flags, tref, "torch-muon")
         compare(out, tref, TORCH_MUON_TOL,
-                f"mfsdp-run {args.config} at {args.np} ranks vs torch.optim.Muon")
+                f"{what} {args.config} at {args.np} ranks vs torch.optim.Muon")
 
 
 def cmd_untagged(args, r):
-    need_shim(args)
+    wrap, env = shim_mode(args)
     script = os.path.join(HERE, "untagged_job.py")
-    p = r.mpirun(args.np, [args.python, "-m", "mfsdp.run", args.python, script],
-                 {"MFSDP_PRELOAD_LIB": args.preload,
-                  "MFSDP_TEST_NCCL_LIB": args.fake_nccl}, "untagged", expect_ok=False)
+    env["MFSDP_TEST_NCCL_LIB"] = args.fake_nccl
+    p = r.mpirun(args.np, wrap + [args.python, script], env, "untagged", expect_ok=False)
     if "UNTAGGED CALL RETURNED" in p.stdout:
         fail("the untagged all-gather on a tagged communicator was accepted")
     if p.returncode == 0 or "untagged" not in p.stdout.lower().replace("untagged all-gather "
@@ -768,6 +777,8 @@ def main():
                                                       "libmfsdp_preload.so"))
     ap.add_argument("--plan", default=os.path.join(REPO, "build", "tools", "mfsdp-plan"))
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    ap.add_argument("--emu", action="store_true",
+                    help="e2e/untagged: the Python emulation of the shim, not mfsdp-run")
     args = ap.parse_args()
     if not args.python:
         args.python = test_python()

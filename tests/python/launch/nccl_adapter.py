@@ -31,7 +31,8 @@ class UniqueId(ctypes.Structure):
 
 
 class Adapter:
-    def __init__(self, libpath):
+    def __init__(self, libpath, emu=None):
+        self.emu = emu  # tests/python/launch/emu_shim.py, or None
         self.fake = ctypes.CDLL(libpath, mode=ctypes.RTLD_GLOBAL)
         self.g = ctypes.CDLL(None)  # global namespace: the preloaded shim comes first
         vp, sz, ci = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
@@ -128,13 +129,24 @@ class Adapter:
             return 4
         raise RuntimeError(f"nccl_adapter: reduce op {op} is not routed (sum and avg only)")
 
+    @staticmethod
+    def _ranks(group):
+        return tuple(dist.get_process_group_ranks(group if group is not None
+                                                  else dist.group.WORLD))
+
     def all_gather_single(self, output, input, group=None, async_op=False):
         comm = self.comm(group)
         n = dist.get_world_size(group)
         if output.numel() != input.numel() * n or output.dtype != input.dtype:
             raise RuntimeError("nccl_adapter: all_gather_single sizes/dtypes disagree")
-        self._check(self.g.ncclAllGather(input.data_ptr(), output.data_ptr(), input.numel(),
-                                         self._dtype(input), comm, None), "ncclAllGather")
+
+        def real():
+            self._check(self.g.ncclAllGather(input.data_ptr(), output.data_ptr(), input.numel(),
+                                             self._dtype(input), comm, None), "ncclAllGather")
+        if self.emu is not None:
+            self.emu.allgather(output, input, self._ranks(group), dist.get_rank(group), real)
+        else:
+            real()
         self.calls += 1
         return None
 
@@ -144,17 +156,36 @@ class Adapter:
         n = dist.get_world_size(group)
         if input.numel() != output.numel() * n or output.dtype != input.dtype:
             raise RuntimeError("nccl_adapter: reduce_scatter_single sizes/dtypes disagree")
-        self._check(self.g.ncclReduceScatter(input.data_ptr(), output.data_ptr(), output.numel(),
-                                             self._dtype(input), self._op(op), comm, None),
-                    "ncclReduceScatter")
+
+        def real():
+            self._check(self.g.ncclReduceScatter(input.data_ptr(), output.data_ptr(),
+                                                 output.numel(), self._dtype(input),
+                                                 self._op(op), comm, None), "ncclReduceScatter")
+
+        def allreduce(t, rop):
+            self._raw_all_reduce(t, rop, comm)
+        if self.emu is not None:
+            self.emu.reduce_scatter(output, input, op, self._ranks(group), dist.get_rank(group),
+                                    real, allreduce)
+        else:
+            real()
         self.calls += 1
         return None
 
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        comm = self.comm(group)
+    def _raw_all_reduce(self, tensor, op, comm):
         self._check(self.g.ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
                                          self._dtype(tensor), self._op(op), comm, None),
                     "ncclAllReduce")
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        comm = self.comm(group)
+
+        def real():
+            self._raw_all_reduce(tensor, op, comm)
+        if self.emu is not None:
+            self.emu.allreduce(tensor, self._ranks(group), real)
+        else:
+            real()
         self.calls += 1
         return None
 
@@ -173,8 +204,8 @@ class _Proxy:
 ADAPTER = None
 
 
-def install(collectives, libpath):
+def install(collectives, libpath, emu=None):
     global ADAPTER
-    ADAPTER = Adapter(libpath)
+    ADAPTER = Adapter(libpath, emu)
     collectives.dist = _Proxy(collectives.dist, ADAPTER)
     return ADAPTER

@@ -7,6 +7,9 @@
   and HSDP all-reduce through that NCCL-over-MPI library (nccl_adapter.py), called through
   the global symbol namespace so that an LD_PRELOADed shim interposes as it does for
   libtorch_cuda on a GPU. torch's process groups stay gloo for everything else.
+- MFSDP_TEST_EMU_SHIM=1 (with the adapter): installs the companion with a Python emulation
+  of the shim's tagged mode (emu_shim.py) that the adapter hands every collective, so the
+  phase-2 end-to-end tests run before the C shim has its tagged mode.
 - MFSDP_TEST_FAKE_SHIM=prefix: installs the mfsdp companion with a recording stand-in for
   the shim (fake_shim.py) that appends every tag to prefix.<rank> (the same file the fake
   NCCL traces its calls to, so tags and calls interleave in issue order), for the tests
@@ -24,12 +27,29 @@ def _setup():
         os.environ["LOCAL_RANK"] = os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     callbacks = {}
+    emu = bool(os.environ.get("MFSDP_TEST_EMU_SHIM"))
     if os.environ.get("MFSDP_TEST_NCCL_LIB"):
         def on_collectives(module):
             sys.path.insert(0, here)
             import nccl_adapter
-            nccl_adapter.install(module, os.environ["MFSDP_TEST_NCCL_LIB"])
+            shim = None
+            if emu:
+                import emu_shim
+                shim = emu_shim.get(int(os.environ.get("RANK", "0")))
+            nccl_adapter.install(module, os.environ["MFSDP_TEST_NCCL_LIB"], shim)
         callbacks["torch.distributed.fsdp._fully_shard._fsdp_collectives"] = on_collectives
+    if emu:
+        def on_fsdp_emu(module):
+            sys.path.insert(0, here)
+            import emu_shim
+            from mfsdp import companion
+            companion.install(shim=emu_shim.get(int(os.environ.get("RANK", "0"))), mode="tag")
+        callbacks["torch.distributed.fsdp"] = on_fsdp_emu
+
+        def on_clip_emu(module):
+            from mfsdp import companion
+            companion.patch_clip(module)
+        callbacks["torch.nn.utils.clip_grad"] = on_clip_emu
     if os.environ.get("MFSDP_TEST_FAKE_SHIM"):
         def on_fsdp(module):
             sys.path.insert(0, here)
