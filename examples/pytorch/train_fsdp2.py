@@ -256,15 +256,15 @@ def main(argv=None):
         if rank == 0:
             print(line, flush=True)
 
+    if args.dcp:
+        import torch.distributed.checkpoint as dcp
+        dcp.save({"model": model.state_dict()}, checkpoint_id=args.dcp)
     if args.save:
         state = model.state_dict()
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
                 for k, v in state.items()}
         if rank == 0:
             torch.save(full, args.save)
-    if args.dcp:
-        import torch.distributed.checkpoint as dcp
-        dcp.save({"model": model.state_dict()}, checkpoint_id=args.dcp)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -718,10 +718,23 @@ def cmd_e2e(args, r):
                   expect_ok=False)
         expect_refusal(p, "world size 1")
         return
-    r.job(args.np, flags, out=out, adapter=True, wrap=wrap, extra_env=env, log="e2e")
+    dcp_dir = os.path.join(r.tmp, "dcp")
+    # default: a torch.distributed.checkpoint save first (its state_dict() runs the
+    # write-back), then the plain state_dict save.
+    dcp_flags = ["--dcp", dcp_dir] if args.config == "default" else []
+    r.job(args.np, flags + dcp_flags, out=out, adapter=True, wrap=wrap, extra_env=env,
+          log="e2e")
     ref = os.path.join(r.tmp, "ref64.pt")
     r.reference(args.np, flags, ref, "muon64")
     tol = E2E_TOL.get(args.config, E2E_TOL["default"])
+    if dcp_flags:
+        import torch
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        flat = os.path.join(r.tmp, "dcp.pt")
+        dcp_to_torch_save(dcp_dir, flat)
+        model = torch.load(flat)["model"]
+        torch.save({k: v for k, v in model.items()}, flat)
+        compare(flat, ref, tol, f"the job's DCP checkpoint at {args.np} ranks vs float64 Muon")
     # The saved state is the job's own state_dict() after the companion's write-back, so
     # this compares the owners' weights (Muon matrices) and the job's AdamW tail alike.
     what = "emulated shim" if args.emu else "mfsdp-run"
