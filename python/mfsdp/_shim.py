@@ -5,6 +5,7 @@ The shim is LD_PRELOADed by ``mfsdp-run``, so its symbols sit in the process's g
 namespace: ``ctypes.CDLL(None)`` finds them without knowing the library's path.
 """
 import ctypes
+import os
 
 ABI_VERSION = 1  # MFSDP_SHIM_ABI_VERSION this companion speaks
 
@@ -26,6 +27,13 @@ class Shim:
         try:
             abi = lib.mfsdp_shim_abi_version
         except AttributeError:
+            preloaded = [p for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
+                         if "libmfsdp_preload" in p]
+            if preloaded:
+                raise ShimError(
+                    f"the preloaded mfsdp shim {preloaded[0]} has no tagged mode (no symbol "
+                    "mfsdp_shim_abi_version): rebuild it from a version with "
+                    "include/mfsdp/shim.h") from None
             raise ShimError(
                 "the mfsdp shim is not preloaded: no symbol mfsdp_shim_abi_version in this "
                 "process (start the job with mfsdp-run, which sets LD_PRELOAD to "

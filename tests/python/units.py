@@ -62,6 +62,17 @@ def test_shim():
     raises(_shim.ShimError, ["the mfsdp shim is not preloaded", "mfsdp-run"], _shim.Shim,
            types.SimpleNamespace())
     ok("no mfsdp_shim_abi_version: the shim is not preloaded")
+    saved = os.environ.get("LD_PRELOAD")
+    os.environ["LD_PRELOAD"] = "/opt/x/libmfsdp_preload.so"
+    try:
+        raises(_shim.ShimError, ["/opt/x/libmfsdp_preload.so has no tagged mode"], _shim.Shim,
+               types.SimpleNamespace())
+    finally:
+        if saved is None:
+            del os.environ["LD_PRELOAD"]
+        else:
+            os.environ["LD_PRELOAD"] = saved
+    ok("a preloaded shim without the tagged mode is named as such")
     raises(_shim.ShimError, ["ABI 7", "speaks 1"], _shim.Shim, lib(abi=7))
     ok("another ABI is refused")
     raises(_shim.ShimError, ["lacks mfsdp_shim_step"], _shim.Shim,
