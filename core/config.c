@@ -358,9 +358,12 @@ mfsdp_status_t mfsdp_config_value(const mfsdp_config_t *cfg, size_t i, const cha
  * companion and the tests. */
 static int known_other(const char *name, size_t n)
 {
-    static const char *const other[] = {"MFSDP_BUILD_DIR", "MFSDP_ASAN_BUILD_DIR", "MFSDP_VENV",
-                                        "MFSDP_PRELOAD_LIB", "MFSDP_COMPANION"};
-    if (n > 11 && strncmp(name, "MFSDP_TEST_", 11) == 0) {
+    /* Variables of the scripts and tools around the library (scripts/, tests/), which a
+     * user's shell may export into a job: not the library's, not typos. */
+    static const char *const other[] = {"MFSDP_ASAN_BUILD_DIR", "MFSDP_VENV", "MFSDP_PYTHON",
+                                        "MFSDP_SIM", "MFSDP_FUZZ_BUILD_DIR"};
+    if ((n > 11 && strncmp(name, "MFSDP_TEST_", 11) == 0) ||
+        (n > 13 && strncmp(name, "MFSDP_DEVICE_", 13) == 0)) {
         return 1;
     }
     for (size_t i = 0; i < sizeof(other) / sizeof(other[0]); i++) {

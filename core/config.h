@@ -86,6 +86,18 @@
     X(STR, MFSDP_INIT, init, "", "",                                                               \
       "the shim loads these full weights (one safetensors file) when it creates the context, "     \
       "instead of taking the job's first all-gather (not with a checkpoint to resume)")            \
+    X(STR, MFSDP_COMPANION, companion, "", "",                                                     \
+      "set by the PyTorch companion (mfsdp-run: tag; python -m mfsdp.manifest: manifest): the "    \
+      "companion registers the manifest and tags every FSDP2 collective (docs/pytorch.md)")        \
+    X(STR, MFSDP_PRELOAD_LIB, preload_lib, "", "",                                                 \
+      "mfsdp-run: path of libmfsdp_preload.so (skips its search)")                                 \
+    X(STR, MFSDP_BUILD_DIR, build_dir, "", "",                                                     \
+      "mfsdp-run: build directory of the repository searched for the shim (default build)")        \
+    X(STR, MFSDP_PY_ADAMW, py_adamw, "", "",                                                       \
+      "PyTorch companion: regular expression on param names; matching params stay with the "       \
+      "job's optimizer")                                                                           \
+    X(STR, MFSDP_WRITE_MANIFEST, write_manifest, "", "",                                           \
+      "PyTorch companion: rank 0 writes the job's manifest to this path at the first forward")     \
     X(STR, MFSDP_TUNER_CONFIG, tuner_config, "", "",                                               \
       "CSV of overrides for the NCCL tuner plugin libnccl-tuner-mfsdp.so (read by the plugin, "    \
       "NCCL's example-tuner format; docs/tuner.md)")                                               \

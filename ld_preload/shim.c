@@ -43,9 +43,10 @@ static shim_comm_t *pending_comm; /* the comm whose last reduce may await a repl
 /* Variables that mean nothing without a manifest would be silently ignored: an error. These
  * may be set without one. */
 static const char *const no_manifest_ok[] = {
-    "MFSDP_DEBUG",  "MFSDP_DEBUG_SUBSYS", "MFSDP_DEBUG_FILE",   "MFSDP_MANIFEST",
-    "MFSDP_RECORD", "MFSDP_RECORD_MAX",   "MFSDP_TUNER_CONFIG", "MFSDP_THREADS",
-    "MFSDP_MLOCK",  "MFSDP_NUMA_BIND",    "MFSDP_REPORT",
+    "MFSDP_DEBUG",     "MFSDP_DEBUG_SUBSYS", "MFSDP_DEBUG_FILE",   "MFSDP_MANIFEST",
+    "MFSDP_RECORD",    "MFSDP_RECORD_MAX",   "MFSDP_TUNER_CONFIG", "MFSDP_THREADS",
+    "MFSDP_MLOCK",     "MFSDP_NUMA_BIND",    "MFSDP_REPORT",       "MFSDP_PRELOAD_LIB",
+    "MFSDP_BUILD_DIR",
 };
 
 static void init_error(mfsdp_status_t st, const char *fmt, ...)
@@ -172,6 +173,12 @@ mfsdp_status_t shim_init(void)
 {
     pthread_once(&shim_once, shim_init_once);
     return shim_status;
+}
+
+const char *shim_init_error(void)
+{
+    shim_init();
+    return shim_status != MFSDP_OK ? shim_err : "";
 }
 
 const mfsdp_config_t *shim_config(void)

@@ -116,6 +116,8 @@ typedef enum shim_result {
  * message is reported at the first call it refuses). */
 mfsdp_status_t shim_init(void);
 const mfsdp_config_t *shim_config(void);
+/* The configuration error's one-line message ("" when none). */
+const char *shim_init_error(void);
 
 /* Register a communicator (when the job creates it, or on first sight) with the front-end's
  * operations and state for it. */

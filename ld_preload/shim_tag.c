@@ -88,8 +88,8 @@ SHIM_EXPORT int mfsdp_shim_register(const char *json, size_t len)
         return fail(MFSDP_ERR_INVALID_ARG, "mfsdp_shim_register: null manifest");
     }
     if (shim_init() != MFSDP_OK || shim_config() == NULL) {
-        return fail(MFSDP_ERR_CONFIG, "the shim's MFSDP_* configuration is bad (its message "
-                                      "was printed at start; MFSDP_DEBUG=INFO shows it again)");
+        return fail(MFSDP_ERR_CONFIG, "the shim's MFSDP_* configuration is bad: %s",
+                    shim_init_error());
     }
     char err[1024];
     mfsdp_manifest_t *m = NULL;

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # The README's test command: install what is missing, configure, build, run every CPU suite
-# (unit, mpi, preload), rebuild with AddressSanitizer + UBSan and run the unit suite under
-# it, then print the closing line "N passed, N failed".
+# (unit, mpi, preload, python), rebuild with AddressSanitizer + UBSan and run the unit suite
+# under it, then print the closing line "N passed, N failed".
+# Suite `python` needs torch: scripts/python-venv.sh reuses ~/.cache/mfsdp/venv or creates it
+# (about 5 GB from PyPI, about 3 minutes); when that fails the suite counts as failed, loudly.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -27,10 +29,24 @@ configure() { # dir, extra args...
 }
 
 status=0
+echo "== python venv (suite python)"
+no_python=()
+if py=$(bash scripts/python-venv.sh | tail -n 1) && [ -x "$py" ]; then
+  export MFSDP_TEST_PYTHON=$py
+  echo "python: $py"
+else
+  echo "FAILED: scripts/python-venv.sh could not provide torch 2.15; suite python not run" >&2
+  no_python=(--no-suite python)
+  logs+=("python-venv.failed")  # counted as a failure by count-tests.py
+  status=1
+fi
+
 echo "== build ($build)"
 if configure "$build" -Dcuda=auto && ninja -C "$build"; then
-  echo "== tests: unit mpi preload"
-  meson test -C "$build" --print-errorlogs --num-processes 1 --no-suite gpu --no-suite perf || status=1
+  echo "== tests: unit mpi preload python"
+  meson test -C "$build" --print-errorlogs --num-processes 1 --no-suite gpu --no-suite perf \
+    --no-suite python-full \
+    "${no_python[@]}" || status=1
   logs+=("$build/meson-logs/testlog.json")
 else
   echo "build failed"; status=1

@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""An ordinary PyTorch FSDP2 (fully_shard) training script. It contains no mfsdp code:
+`mfsdp-run torchrun --nproc-per-node N train_fsdp2.py ...` runs it with owner-local Muon.
+
+A small pre-norm transformer on synthetic tokens (target = next token id (x + 1) mod vocab),
+AdamW with a linear-warmup + cosine LambdaLR, and flags for the configurations FSDP2 jobs
+use: gradient accumulation (set_requires_gradient_sync), no-grad eval, clip_grad_norm_, a
+frozen bf16 param, an unused trainable param, bf16 params with fp32 reduce, torchtitan-style
+wrapping, tied embedding/lm_head, HSDP, and a state_dict or DCP save of the final weights.
+Init and data are deterministic (seeded), the same for every world size: rank r of n takes
+rows [r*B, (r+1)*B) of each global batch of n*B sequences.
+
+CPU: gloo backend; GPU (--device cuda): nccl. Environment as set by torchrun (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+"""
+import argparse
+import math
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank per micro-batch")
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--eps", type=float, default=1e-8)
+    p.add_argument("--warmup", type=int, default=2, help="warmup steps of the LambdaLR")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--constant-lr", action="store_true", help="no LambdaLR")
+    p.add_argument("--manual-lr", action="store_true",
+                   help="the same schedule, set in group['lr'] by the loop (no LRScheduler)")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--eval-every", type=int, default=0, help="no-grad eval every k steps")
+    p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ max_norm (0: off)")
+    p.add_argument("--frozen", action="store_true",
+                   help="blocks.0.mlp.fc1.bias is a frozen bfloat16 param")
+    p.add_argument("--unused", action="store_true",
+                   help="the last block has a trainable param the forward never uses")
+    p.add_argument("--bf16", action="store_true",
+                   help="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
+    p.add_argument("--wrap", choices=["default", "titan"], default="default",
+                   help="default: each block, then the root (embedding, norm, lm_head); "
+                        "titan: embedding, each block, [norm, lm_head] as groups, root empty")
+    p.add_argument("--tied", action="store_true", help="lm_head.weight is embed.weight")
+    p.add_argument("--hsdp", type=int, default=1, help="replicas (HSDP) when > 1")
+    p.add_argument("--reshard-root", action="store_true",
+                   help="reshard_after_forward=True on the root too")
+    p.add_argument("--save", default="", help="torch.save the full state_dict (rank 0)")
+    p.add_argument("--dcp", default="", help="torch.distributed.checkpoint.save directory")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    return p.parse_args(argv)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.heads
+
+        def split(y):
+            return y.view(b, t, h, d // h).transpose(1, 2)
+        q, k, v = split(self.wq(x)), split(self.wk(x)), split(self.wv(x))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        # The bias may be a frozen param of another dtype (--frozen).
+        h = F.linear(x, self.fc1.weight, self.fc1.bias.to(x.dtype))
+        return self.fc2(F.gelu(h))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.RMSNorm(dim)
+        self.mlp = MLP(dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.embed = nn.Embedding(args.vocab, args.dim)
+        self.blocks = nn.ModuleList(Block(args.dim, args.heads) for _ in range(args.layers))
+        self.norm = nn.RMSNorm(args.dim)
+        self.lm_head = nn.Linear(args.dim, args.vocab, bias=False)
+        if args.tied:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(self.norm(x))
+
+
+def build_model(args):
+    """The model with its deterministic init (identical on every rank and world size)."""
+    torch.manual_seed(args.seed)
+    model = Transformer(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm1.weight", "norm2.weight")) or name == "norm.weight":
+                p.uniform_(0.8, 1.2)  # not all ones, so a layout error would show
+            elif p.ndim == 1:
+                p.uniform_(-0.05, 0.05)
+    if args.unused:
+        last = model.blocks[-1]
+        last.unused = nn.Parameter(torch.randn(3, args.dim) * 0.02)
+    if args.frozen:
+        fc1 = model.blocks[0].mlp.fc1
+        fc1.bias = nn.Parameter(fc1.bias.detach().to(torch.bfloat16), requires_grad=False)
+    return model
+
+
+def global_batch(args, step, micro, world):
+    """Micro-batch `micro` of optimizer step `step`: (inputs, targets) of world*batch rows."""
+    g = torch.Generator().manual_seed(args.seed * 1000003 + step * 101 + micro)
+    x = torch.randint(0, args.vocab, (world * args.batch, args.seq), generator=g)
+    return x, (x + 1) % args.vocab
+
+
+def eval_batch(args, world):
+    g = torch.Generator().manual_seed(args.seed * 7919 + 17)
+    x = torch.randint(0, args.vocab, (world * args.batch, args.seq), generator=g)
+    return x, (x + 1) % args.vocab
+
+
+def lr_lambda(args):
+    """Linear warmup then cosine decay to min_lr_ratio (torchtitan's warmup-cosine)."""
+    w, d, m = args.warmup, max(args.steps - args.warmup, 0), args.min_lr_ratio
+
+    def f(t):
+        t = min(t, w + d)
+        if t < w:
+            return (t + 1) / (w + 1)
+        if d == 0:
+            return 1.0
+        p = (t + 1 - w) / (d + 1)
+        return m + (1 - m) * 0.5 * (1 + math.cos(math.pi * p))
+    return f
+
+
+def make_optimizer(args, params):
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=args.eps,
+                            weight_decay=args.weight_decay)
+    sched = None
+    if not args.constant_lr and not args.manual_lr:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
+    return opt, sched
+
+
+def shard(args, model, mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    kw = {"mesh": mesh}
+    if args.bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32)
+    if args.wrap == "titan":
+        fully_shard(model.embed, **kw)
+    for b in model.blocks:
+        fully_shard(b, **kw)
+    if args.wrap == "titan":
+        fully_shard([model.norm, model.lm_head], **kw)
+    fully_shard(model, reshard_after_forward=args.reshard_root, **kw)
+    return model
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.tied and args.wrap == "titan":
+        raise SystemExit("--tied needs --wrap default (a tied weight lives in one group)")
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    from torch.distributed.device_mesh import init_device_mesh
+    if args.hsdp > 1:
+        if world % args.hsdp:
+            raise SystemExit(f"--hsdp {args.hsdp} does not divide world size {world}")
+        mesh = init_device_mesh(device.type, (args.hsdp, world // args.hsdp),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+
+    model = build_model(args).to(device)
+    shard(args, model, mesh)
+    opt, sched = make_optimizer(args, [p for p in model.parameters() if p.requires_grad])
+    rows = slice(rank * args.batch, (rank + 1) * args.batch)
+
+    def loss_of(x, y):
+        logits = model(x[rows].to(device))
+        return F.cross_entropy(logits.float().view(-1, args.vocab), y[rows].to(device).view(-1))
+
+    for step in range(args.steps):
+        total = 0.0
+        for micro in range(args.accum):
+            model.set_requires_gradient_sync(micro == args.accum - 1)
+            x, y = global_batch(args, step, micro, world)
+            loss = loss_of(x, y) / args.accum
+            loss.backward()
+            total += loss.item()
+        norm = None
+        if args.clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        if args.manual_lr:
+            for group in opt.param_groups:
+                group["lr"] = args.lr * lr_lambda(args)(step)
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        line = f"step {step} loss {total:.6f}"
+        if norm is not None:
+            line += f" norm {float(norm):.6f}"
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            with torch.no_grad():
+                ex, ey = eval_batch(args, world)
+                line += f" eval {loss_of(ex, ey).item():.6f}"
+        if rank == 0:
+            print(line, flush=True)
+
+    if args.dcp:
+        import torch.distributed.checkpoint as dcp
+        dcp.save({"model": model.state_dict()}, checkpoint_id=args.dcp)
+    if args.save:
+        state = model.state_dict()
+        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+                for k, v in state.items()}
+        if rank == 0:
+            torch.save(full, args.save)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

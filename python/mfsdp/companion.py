@@ -1,0 +1,476 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The companion inside the job: FSDP2 hooks that drive the shim's tagged mode.
+
+install() runs when torch.distributed.fsdp has been imported (the mfsdp-run path hook). It
+- registers, at each FSDP2 root's lazy init, the manifest built from its FSDPParamGroups;
+- tags, on the calling thread right before the call, every FSDP2 all-gather (group g),
+  reduce-scatter (group g over exactly the params that have a gradient now) and HSDP
+  replicate all-reduce, by replacing the ``dist`` that ``_fsdp_collectives`` calls with a
+  proxy that tags and forwards;
+- sets ``.grad = None`` on owner-managed params after their reduce, so the job's optimizer
+  skips them and allocates no state for them;
+- runs the owners' step from the job's ``optimizer.step()`` (a global step pre-hook) with
+  lr_factor = the job's current lr / its initial lr;
+- makes ``clip_grad_norm_`` include and scale the owners' gradients;
+- writes the owners' weights back into the job's shards before ``state_dict()``.
+"""
+import math
+import os
+import sys
+import threading
+
+from . import _guard, _shim
+from .manifest import ManifestError, build, dumps
+
+_tls = threading.local()
+_lock = threading.Lock()
+_installed = None
+
+
+def _log(msg):
+    print(f"mfsdp: {msg}", file=sys.stderr, flush=True)
+
+
+class CompanionError(RuntimeError):
+    """The companion met something it cannot handle exactly."""
+
+
+class _Root:
+    """One registered FSDP2 root: its manifest handle and layout."""
+
+    def __init__(self, handle, manifest, layout, module, shard_group):
+        self.handle = handle
+        self.manifest = manifest
+        self.layout = layout  # [(FSDPParamGroup, roles)]
+        self.module = module
+        self.shard_group = shard_group
+        self.param_of = {}  # id(FSDPParam) -> (group index, param index)
+        self.owned = set()  # id(sharded param) of owner-managed params
+        self.params = set()  # id(sharded param) of every managed param
+        for gi, (g, roles) in enumerate(layout):
+            for pi, fp in enumerate(g.fsdp_params):
+                self.param_of[id(fp)] = (gi, pi)
+                self.params.add(id(fp.sharded_param))
+                if roles[pi] == "muon" and fp.sharded_param.requires_grad:
+                    self.owned.add(id(fp.sharded_param))
+        self.dirty = False  # owners stepped since the last write-back
+
+
+class Companion:
+    def __init__(self, shim, mode="tag"):
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives
+        import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+        import torch.distributed.fsdp._fully_shard._fsdp_state as state
+        self.torch, self.dist = torch, dist
+        self.collectives, self.param_group, self.state = collectives, param_group, state
+        self.entry = _guard.check_live(torch, collectives, param_group, state)
+        self.shim = shim
+        self.mode = mode
+        self.roots = []
+        self.group_root = {}  # id(FSDPParamGroup) -> (root, group index)
+        self.write_path = os.environ.get("MFSDP_WRITE_MANIFEST", "")
+        self._hook_lazy_init()
+        if mode == "tag":
+            self._hook_collectives()
+            self._hook_optimizer()
+            import torch.nn.utils.clip_grad as clip_mod
+            patch_clip(clip_mod)
+
+    # ---- registration ----------------------------------------------------------------
+
+    def _hook_lazy_init(self):
+        comp = self
+        orig = self.state.FSDPState._lazy_init
+        if getattr(orig, "_mfsdp", False):
+            return
+
+        def _lazy_init(self_state):
+            first = self_state._is_root is None
+            orig(self_state)
+            if first and self_state._is_root:
+                comp._on_root(self_state)
+        _lazy_init._mfsdp = True
+        _lazy_init._mfsdp_orig = orig
+        self.state.FSDPState._lazy_init = _lazy_init
+
+    def _on_root(self, root_state):
+        module = root_state._modules[0]
+        manifest, layout = build(root_state, module)
+        g0 = layout[0][0]
+        pg = g0.mesh_info.shard_process_group
+        rank = self.dist.get_rank() if self.dist.is_initialized() else 0
+        if self.mode == "manifest":
+            if rank == 0 and self.write_path:
+                path = self.write_path
+                if self.roots:
+                    path += f".{len(self.roots)}"
+                with open(path + ".tmp", "w") as f:
+                    f.write(dumps(manifest) + "\n")
+                os.replace(path + ".tmp", path)
+                _log(f"wrote the manifest of FSDP2 root {type(module).__name__} to {path}")
+            self.roots.append(None)
+            return
+        if manifest["world_size"] * manifest["replicate"] == 1:
+            raise CompanionError(
+                "world size 1: FSDP2 issues no collectives on one rank, so there is nothing for "
+                "mfsdp to shard; run this job without mfsdp-run")
+        if self.write_path and rank == 0:
+            with open(self.write_path, "w") as f:
+                f.write(dumps(manifest) + "\n")
+        handle = self.shim.register(dumps(manifest))
+        root = _Root(handle, manifest, layout, module, pg)
+        with _lock:
+            self.roots.append(root)
+            for gi, (g, _) in enumerate(layout):
+                self.group_root[id(g)] = (root, gi)
+        self._hook_state_dict(root)
+        if rank == 0:
+            _log(f"registered {len(layout)} FSDP2 groups of {type(module).__name__} "
+                 f"({len(root.owned)} owner-managed matrices, world {manifest['world_size']} "
+                 f"x {manifest['replicate']})")
+
+    # ---- tagging ---------------------------------------------------------------------
+
+    def _lookup_params(self, fsdp_params, what):
+        if not fsdp_params:
+            raise CompanionError(f"{what}: no params")
+        for root in self.roots:
+            if root is not None and id(fsdp_params[0]) in root.param_of:
+                return root
+        raise CompanionError(
+            f"{what}: FSDP2 param {fsdp_params[0]._param_fqn!r} belongs to no registered "
+            "manifest (was the FSDP2 root's forward run first?)")
+
+    def _hook_collectives(self):
+        comp = self
+        c, pgmod = self.collectives, self.param_group
+        orig_ag, orig_rs = c.foreach_all_gather, c.foreach_reduce
+
+        def foreach_all_gather(fsdp_params, group, *args, **kwargs):
+            root = comp._lookup_params(fsdp_params, "all-gather")
+            gi, _ = root.param_of[id(fsdp_params[0])]
+            g = root.layout[gi][0]
+            if fsdp_params is not g.fsdp_params and list(fsdp_params) != list(g.fsdp_params):
+                raise CompanionError(f"all-gather of group {gi} over a subset of its params")
+            _tls.pending = ("ag", root, gi, None)
+            try:
+                return orig_ag(fsdp_params, group, *args, **kwargs)
+            finally:
+                _tls.pending = None
+
+        def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs):
+            root = comp._lookup_params(fsdp_params, "reduce-scatter")
+            gi, _ = root.param_of[id(fsdp_params[0])]
+            g, roles = root.layout[gi]
+            flags = [0] * len(g.fsdp_params)
+            last = -1
+            for fp in fsdp_params:
+                gj, pi = root.param_of.get(id(fp), (None, None))
+                if gj != gi:
+                    raise CompanionError("one reduce-scatter spans two FSDP groups")
+                if pi <= last:
+                    raise CompanionError(
+                        f"group {gi}: reduce-scatter param order differs from the manifest")
+                last = pi
+                flags[pi] = 1
+            comp._check_divide(root, gi, g)
+            _tls.pending = ("rs", root, gi, flags)
+            try:
+                out = orig_rs(fsdp_params, unsharded_grads, reduce_scatter_group, *args,
+                              **kwargs)
+            finally:
+                _tls.pending = None
+            # Owner-managed params: the owner holds their reduced gradient; the job's
+            # optimizer must skip them (and keep no state for them).
+            for fp in fsdp_params:
+                if id(fp.sharded_param) in root.owned:
+                    fp.sharded_param.grad = None
+            return out
+
+        foreach_all_gather._mfsdp = foreach_reduce._mfsdp = True
+        c.foreach_all_gather = pgmod.foreach_all_gather = foreach_all_gather
+        c.foreach_reduce = pgmod.foreach_reduce = foreach_reduce
+        c.dist = _DistProxy(c.dist, self)
+
+    def _check_divide(self, root, gi, g):
+        from .manifest import divide_rule
+        want = root.manifest["training"]["grad_divide"]
+        rdt = None
+        for fp in g.fsdp_params:
+            if fp.sharded_param.requires_grad:
+                rdt = fp.unsharded_grad_dtype
+                break
+        if rdt is None:
+            return
+        got = divide_rule(self.collectives, g, rdt, g.device.type)
+        if got != want:
+            raise CompanionError(
+                f"group {root.manifest['groups'][gi]['name']!r} now divides gradients by {got!r}"
+                f", the registered manifest says {want!r} (set_gradient_divide_factor or "
+                "set_force_sum_reduction_for_comms changed after the first forward)")
+
+    def tag_for(self, kind):
+        """Called by the proxy right before a collective; returns True when it tagged."""
+        pending = getattr(_tls, "pending", None)
+        if pending is None:
+            return False
+        what, root, gi, flags = pending
+        g = root.layout[gi][0]
+        n = len(g.fsdp_params)
+        if kind == "all_gather" and what == "ag":
+            self.shim.tag(root.handle, _shim.TAG_ALLGATHER, gi, None, n)
+        elif kind == "all_gather" and what == "sync":
+            self.shim.tag(root.handle, _shim.TAG_SYNC, gi, None, n)
+        elif kind == "reduce_scatter" and what == "rs":
+            self.shim.tag(root.handle, _shim.TAG_REDUCE_SCATTER, gi, flags, n)
+        elif kind == "all_reduce" and what == "rs":
+            self.shim.tag(root.handle, _shim.TAG_REPLICATE, gi, flags, n)
+        else:
+            raise CompanionError(f"unexpected {kind} inside FSDP2's {what} of group {gi}")
+        return True
+
+    # ---- optimizer step ----------------------------------------------------------------
+
+    def _hook_optimizer(self):
+        import weakref
+
+        from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
+        comp = self
+        # The lr each param group was created with: the "initial lr" of a job that sets
+        # group["lr"] itself (no LRScheduler, which would record group["initial_lr"]).
+        self._lr0 = weakref.WeakKeyDictionary()
+        orig_add = Optimizer.add_param_group
+        if not getattr(orig_add, "_mfsdp", False):
+            def add_param_group(optimizer, param_group):
+                orig_add(optimizer, param_group)
+                lr = optimizer.param_groups[-1].get("lr")
+                if lr is not None:
+                    lr = float(lr.item() if hasattr(lr, "item") else lr)
+                    comp._lr0.setdefault(optimizer, []).append(lr)
+            add_param_group._mfsdp = True
+            Optimizer.add_param_group = add_param_group
+
+        def pre_step(optimizer, args, kwargs):
+            comp.on_optimizer_step(optimizer)
+        self._step_hook = register_optimizer_step_pre_hook(pre_step)
+
+    def on_optimizer_step(self, optimizer):
+        for root in self.roots:
+            if root is None:
+                continue
+            factor = None
+            for i, group in enumerate(optimizer.param_groups):
+                if not any(id(p) in root.params for p in group["params"]):
+                    continue
+                f = self._lr_factor(optimizer, i, group)
+                if factor is None:
+                    factor = f
+                elif abs(f - factor) > 1e-12 * max(1.0, abs(factor)):
+                    raise CompanionError(
+                        f"the optimizer's param groups follow different lr schedules ({factor} "
+                        f"vs {f} of the initial lr); mfsdp's owners follow one")
+            if factor is None:
+                continue
+            self.shim.step(root.handle, factor)
+            root.dirty = True
+
+    def _lr_factor(self, optimizer, i, group):
+        lr = group["lr"]
+        lr = float(lr.item() if hasattr(lr, "item") else lr)
+        created = getattr(self, "_lr0", {}).get(optimizer, [])
+        if "initial_lr" in group:  # set by every torch LRScheduler
+            init = group["initial_lr"]
+        elif i < len(created):  # the lr the group was created with
+            init = created[i]
+        else:  # created before the companion was loaded: its lr at the first step
+            seen = optimizer.__dict__.setdefault("_mfsdp_initial_lr", {})
+            init = seen.setdefault(i, lr)
+        init = float(init.item() if hasattr(init, "item") else init)
+        if init <= 0:
+            raise CompanionError(f"optimizer param group {i}: initial lr {init} is not > 0")
+        return lr / init
+
+    # ---- gradient clipping -------------------------------------------------------------
+
+    def clip(self, orig, parameters, max_norm, norm_type, error_if_nonfinite, foreach):
+        torch = self.torch
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        parameters = list(parameters)
+        roots = [r for r in self.roots
+                 if r is not None and any(id(p) in r.params for p in parameters)]
+        if not roots:
+            return orig(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+        if len(roots) > 1:
+            raise CompanionError("clip_grad_norm_ over params of two FSDP2 roots")
+        root = roots[0]
+        if float(norm_type) != 2.0:
+            raise CompanionError(f"clip_grad_norm_(norm_type={norm_type}): mfsdp includes the "
+                                 "owners' gradients for the 2-norm only")
+        from torch.distributed.tensor import DTensor
+        grads = [p.grad for p in parameters if p.grad is not None]
+        dev = root.layout[0][0].device
+        norms = []
+        for gr in grads:
+            if not isinstance(gr, DTensor):
+                raise CompanionError("clip_grad_norm_: a gradient that FSDP2 does not shard "
+                                     "(not a DTensor) next to owner-managed params")
+            norms.append(torch.linalg.vector_norm(gr.to_local(), 2, dtype=torch.float32))
+        # One device tensor, one host sync (the .item() after the all-reduce).
+        total_sq = torch.full((), self.shim.grad_sqnorm(root.handle), dtype=torch.float64,
+                              device=dev)
+        if norms:
+            total_sq += torch.stack(norms).to(dev).double().square().sum()
+        # Every FSDP2 shard holds a disjoint slice and every owner a disjoint tensor: one sum
+        # over the shard group is the global squared norm (HSDP replicas hold equal copies).
+        self.dist.all_reduce(total_sq, group=root.shard_group)
+        total = math.sqrt(float(total_sq.item()))
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from "
+                               "`parameters` is non-finite, so it cannot be clipped. To disable "
+                               "this error and scale the gradients by the non-finite norm anyway, "
+                               "set `error_if_nonfinite=False`")
+        coef = min(float(max_norm) / (total + 1e-6), 1.0)
+        for gr in grads:
+            gr.mul_(coef)
+        self.shim.scale_grads(root.handle, coef)
+        return torch.tensor(total, dtype=grads[0].dtype if grads else torch.float32, device=dev)
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def _hook_state_dict(self, root):
+        comp = self
+        modules = {id(root.module): root.module}
+        for g, _ in root.layout:
+            for m in g.modules:
+                modules[id(m)] = m
+
+        def pre_hook(module, prefix, keep_vars):
+            comp.sync(root)
+        for m in modules.values():
+            m.register_state_dict_pre_hook(pre_hook)
+
+    def sync(self, root):
+        """Write the owners' weights into the job's local shards (collective over the
+        shard group; every rank of the job calls state_dict() at the same point)."""
+        if root is None or not root.dirty:
+            return
+        torch = self.torch
+        with torch.no_grad():
+            for gi, (g, roles) in enumerate(root.layout):
+                owned = [i for i, fp in enumerate(g.fsdp_params)
+                         if id(fp.sharded_param) in root.owned]
+                if not owned:
+                    continue
+                pg = g.mesh_info.shard_process_group
+                ws, rank = pg.size(), pg.rank()
+                sizes = [fp._sharded_param_data.numel() for fp in g.fsdp_params]
+                total = sum(sizes)
+                out = torch.zeros(total * ws, dtype=torch.float32, device=g.device)
+                inp = out.narrow(0, total * rank, total)
+                _tls.pending = ("sync", root, gi, None)
+                try:
+                    self.collectives.dist.all_gather_single(out, inp, group=pg)
+                finally:
+                    _tls.pending = None
+                offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+                for i in owned:
+                    fp = g.fsdp_params[i]
+                    piece = out.narrow(0, total * rank + offsets[i], sizes[i])
+                    fp._sharded_param_data.copy_(piece)
+        root.dirty = False
+
+
+class _DistProxy:
+    """Stands for torch.distributed inside _fsdp_collectives: tags FSDP2's collectives."""
+
+    def __init__(self, inner, companion):
+        self.__dict__["_inner"] = inner
+        self.__dict__["_comp"] = companion
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._inner, name, value)
+
+    def _call(self, kind, fn, *args, **kwargs):
+        tagged = self._comp.tag_for(kind)
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            if tagged:
+                try:
+                    self._comp.shim.untag()
+                except Exception:  # the original error is the one to report
+                    pass
+            raise
+
+    def all_gather_single(self, *args, **kwargs):
+        return self._call("all_gather", self._inner.all_gather_single, *args, **kwargs)
+
+    def all_gather_into_tensor(self, *args, **kwargs):
+        return self._call("all_gather", self._inner.all_gather_into_tensor, *args, **kwargs)
+
+    def reduce_scatter_single(self, *args, **kwargs):
+        return self._call("reduce_scatter", self._inner.reduce_scatter_single, *args, **kwargs)
+
+    def reduce_scatter_tensor(self, *args, **kwargs):
+        return self._call("reduce_scatter", self._inner.reduce_scatter_tensor, *args, **kwargs)
+
+    def all_reduce(self, *args, **kwargs):
+        return self._call("all_reduce", self._inner.all_reduce, *args, **kwargs)
+
+
+def patch_clip(clip_mod):
+    """Replace torch.nn.utils.clip_grad.clip_grad_norm_ (run as soon as that module has
+    executed, inside `import torch`, so that `from torch.nn.utils import clip_grad_norm_` in
+    the job already binds the replacement). It is the original unless the norm covers
+    params of a registered FSDP2 root."""
+    orig = clip_mod.clip_grad_norm_
+    if getattr(orig, "_mfsdp", False):
+        return
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                        foreach=None):
+        comp = _installed
+        if comp is None or comp.mode != "tag":
+            return orig(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+        return comp.clip(orig, parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    clip_grad_norm_._mfsdp = True
+    clip_grad_norm_.__doc__ = orig.__doc__
+    clip_grad_norm_.__wrapped__ = orig
+    clip_mod.clip_grad_norm_ = clip_grad_norm_
+    utils = sys.modules.get("torch.nn.utils")
+    if utils is not None and getattr(utils, "clip_grad_norm_", None) is orig:
+        utils.clip_grad_norm_ = clip_grad_norm_
+
+
+def install(shim=None, mode=None):
+    """Hook the imported FSDP2 (idempotent). mode "tag" (mfsdp-run: needs the shim) or
+    "manifest" (python -m mfsdp.manifest: only writes the manifest)."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    mode = mode or os.environ.get("MFSDP_COMPANION", "tag")
+    if mode not in ("tag", "manifest"):
+        raise CompanionError(f"MFSDP_COMPANION={mode!r}: expected tag or manifest")
+    if mode == "tag" and shim is None:
+        shim = _shim.load()
+    _installed = Companion(shim, mode)
+    return _installed
+
+
+def sync_weights(module=None):
+    """Write the owners' weights into the job's shards now (state_dict() does this itself).
+    Collective: call it on every rank."""
+    if _installed is None:
+        return
+    for root in _installed.roots:
+        if root is not None and (module is None or root.module is module):
+            _installed.sync(root)
+
+
+__all__ = ["CompanionError", "ManifestError", "install", "sync_weights"]
