@@ -67,15 +67,23 @@
     X(DOUBLE, MFSDP_ADAMW_LR, adamw_lr, "", "0:", "override the AdamW learning rate")              \
     X(DOUBLE, MFSDP_ADAMW_WEIGHT_DECAY, adamw_weight_decay, "",                                    \
       "0:", "override the AdamW weight decay")                                                     \
+    X(ENUM, MFSDP_TRANSPORT, transport, "auto", "auto|mpi|nccl",                                   \
+      "what moves owner collectives: auto = nccl on NCCL communicators (the job's own, on the "    \
+      "intercepted call's stream; no MPI needed) and mpi on MPI ones; mpi on an NCCL "             \
+      "communicator = the MPI transport over host memory (the test NCCL library only)")            \
+    X(BOOL, MFSDP_NCCL_REGISTER, nccl_register, "0", "",                                           \
+      "NCCL path: allocate the owner arena with ncclMemAlloc and register it once with the "       \
+      "communicator (ncclCommRegister, zero-copy transfers); 0 = cudaMalloc, unregistered. "       \
+      "Every rank must agree")                                                                     \
     X(BOOL, MFSDP_MLOCK, mlock, "1", "",                                                           \
       "page-lock CPU owner arenas (falls back with a warning when RLIMIT_MEMLOCK forbids)")        \
     X(BOOL, MFSDP_NUMA_BIND, numa_bind, "1", "", "bind CPU owner arenas to the rank's NUMA node")  \
     X(BOOL, MFSDP_REPORT, report, "0", "",                                                         \
       "the shim prints one 'mfsdp report:' line per rank and communicator at exit (owner "         \
       "step time, call counts, arena memory)")                                                     \
-    X(STR, MFSDP_TUNER_CONFIG, tuner_config, "", "",                                          \
-      "CSV of overrides for the NCCL tuner plugin libnccl-tuner-mfsdp.so (read by the plugin, " \
-      "NCCL's example-tuner format; docs/tuner.md)")                                          \
+    X(STR, MFSDP_TUNER_CONFIG, tuner_config, "", "",                                               \
+      "CSV of overrides for the NCCL tuner plugin libnccl-tuner-mfsdp.so (read by the plugin, "    \
+      "NCCL's example-tuner format; docs/tuner.md)")                                               \
     X(INT, MFSDP_THREADS, threads, "", "1:1024",                                                   \
       "BLAS threads of the process, set when a context is created (unset: leave OpenBLAS's "       \
       "own setting, e.g. OPENBLAS_NUM_THREADS=1 with one rank per core)")
@@ -103,6 +111,7 @@ enum {
     MFSDP_CFG_TAIL_AUTO = 2,
     MFSDP_CFG_TAIL_JOB = 3
 };
+enum { MFSDP_CFG_TRANSPORT_AUTO = 0, MFSDP_CFG_TRANSPORT_MPI = 1, MFSDP_CFG_TRANSPORT_NCCL = 2 };
 enum {
     MFSDP_CFG_ALGO_AUTO = 0,
     MFSDP_CFG_ALGO_DIRECT = 1,
