@@ -1157,7 +1157,7 @@ FAKE_EXPORT ncclResult_t pncclMemAlloc(void **ptr, size_t size)
         fake_warn("ncclMemAlloc: out of host memory (%zu bytes)", size);
         return ncclSystemError;
     }
-    memset(p, 0xA5, size); /* NCCL does not zero it either */
+    memset(p, 0xFF, size); /* NCCL does not zero it either (as floats: NaN) */
     __atomic_fetch_add(&live_allocs, 1, __ATOMIC_RELAXED);
     *ptr = p;
     return ncclSuccess;
