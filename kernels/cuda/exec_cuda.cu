@@ -227,8 +227,7 @@ size_t cu_muon_workspace(mfsdp_exec_t *e, int64_t m, int64_t k)
 
 mfsdp_status_t cu_muon(mfsdp_exec_t *e, float *w, float *mom, const float *g, void *w_comm,
                        mfsdp_dtype_t comm_dtype, int64_t m, int64_t k, size_t nsplit,
-                       const int64_t *split, const mfsdp_muon_hp_t *hp, float *ws,
-                       size_t ws_elems)
+                       const int64_t *split, const mfsdp_muon_hp_t *hp, float *ws, size_t ws_elems)
 {
     MFSDP_CHECK_ARG(ws != NULL);
     size_t bytes;
@@ -240,13 +239,12 @@ mfsdp_status_t cu_muon(mfsdp_exec_t *e, float *w, float *mom, const float *g, vo
         MFSDP_WARN("muon workspace of %zu bytes cannot be aligned to %zu", bytes, WS_ALIGN);
         return MFSDP_ERR_MISMATCH;
     }
-    return mfsdp_cuda_muon_update(of(e)->cu, w, mom, g, w_comm, comm_dtype, m, k, nsplit, split,
-                                  hp, (char *)ws + pad, bytes - pad);
+    return mfsdp_cuda_muon_update(of(e)->cu, w, mom, g, w_comm, comm_dtype, m, k, nsplit, split, hp,
+                                  (char *)ws + pad, bytes - pad);
 }
 
-mfsdp_status_t cu_adamw(mfsdp_exec_t *e, float *w, float *m, float *v, const float *g,
-                        void *w_comm, mfsdp_dtype_t comm_dtype, size_t n, int64_t t,
-                        const mfsdp_adamw_hp_t *hp)
+mfsdp_status_t cu_adamw(mfsdp_exec_t *e, float *w, float *m, float *v, const float *g, void *w_comm,
+                        mfsdp_dtype_t comm_dtype, size_t n, int64_t t, const mfsdp_adamw_hp_t *hp)
 {
     return mfsdp_cuda_adamw_update(of(e)->cu, w, m, v, g, w_comm, comm_dtype, n, t, hp);
 }

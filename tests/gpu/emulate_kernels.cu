@@ -345,14 +345,14 @@ static void check_combine(mfsdp_dtype_t sd, size_t n, mfsdp_redop_t op, int with
     mfsdp_cpu_cast(x, sd, tmp, MFSDP_FLOAT32, n);
     float *ref_out = inplace ? pin_ref : want, *emu_out = inplace ? pin : out;
     e->ops->combine(e, ref_out, with_pin ? pin_ref : NULL, x, sd, n, op, 0.37f);
-    const combine_op<S> c{emu_out, with_pin ? pin : NULL, (const S *)x,
-                          op == MFSDP_OP_PREMULSUM, 0.37f};
+    const combine_op<S> c{emu_out, with_pin ? pin : NULL, (const S *)x, op == MFSDP_OP_PREMULSUM,
+                          0.37f};
     const bool vec = aligned16(emu_out) && aligned16(x) && aligned16(pin);
     emulate_ew(c, n, vec);
     const bool same = memcmp(emu_out, ref_out, n * 4) == 0;
     check(same, "emulated combine %s n=%zu op=%d %s%s %s path: bitwise = cpu executor %s",
-          mfsdp_dtype_name(sd), n, (int)op, with_pin ? "pin" : "no pin",
-          inplace ? " in place" : "", vec ? "16-byte" : "scalar", same ? "yes" : "no");
+          mfsdp_dtype_name(sd), n, (int)op, with_pin ? "pin" : "no pin", inplace ? " in place" : "",
+          vec ? "16-byte" : "scalar", same ? "yes" : "no");
     afree(tmp, 0), afree(want, 0), afree(out, skew * 4), afree(pin, skew * 4);
     afree(pin_ref, 0), afree(x, skew * sizeof(S));
 }

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""The NCCL path makes no MPI call of its own: no object of the MPI-free archive
-(libmfsdp_nompi.a: the internal library without transport/mpi.c and runtime/runtime_mpi.c)
-references an MPI symbol, while the full internal library does (so the check can fail), and
-the archive holds the NCCL transport and runtime_nccl (so it cannot pass empty).
+"""The NCCL path makes no MPI call of its own: no object of the MPI-free archives
+(libmfsdp_nompi.a: the internal library without transport/mpi.c and runtime/runtime_mpi.c;
+with CUDA also libmfsdp_cuda.a, which holds runtime_nccl.c then) references an MPI symbol,
+while the full internal library does (so the check can fail), and the archives hold the NCCL
+transport and runtime_nccl (so it cannot pass empty).
 
-usage: check_no_mpi.py NM NOMPI_ARCHIVE FULL_ARCHIVE"""
+usage: check_no_mpi.py NM FULL_ARCHIVE NOMPI_ARCHIVE..."""
 import re
 import subprocess
 import sys
@@ -30,21 +31,23 @@ def undefined(nm, archive):
 
 
 def main():
-    if len(sys.argv) != 4:
+    if len(sys.argv) < 4:
         sys.exit(__doc__)
-    nm, nompi, full = sys.argv[1:]
-    objs = undefined(nm, nompi)
+    nm, full, nompi = sys.argv[1], sys.argv[2], sys.argv[3:]
+    objs = {}
+    for a in nompi:
+        objs.update(undefined(nm, a))
     names = " ".join(objs)
     for needed in ("transport_nccl.c.o", "runtime_runtime_nccl.c.o", "runtime_ctx.c.o"):
         if needed not in names:
-            sys.exit(f"FAIL: {nompi} lacks {needed} (objects: {names})")
+            sys.exit(f"FAIL: {' '.join(nompi)} lack {needed} (objects: {names})")
     bad = [f"{o}: {s}" for o, syms in objs.items() for s in syms if MPI.match(s)]
     if bad:
         sys.exit("FAIL: MPI symbols referenced by the NCCL path:\n  " + "\n  ".join(bad))
     full_mpi = sum(1 for syms in undefined(nm, full).values() for s in syms if MPI.match(s))
     if full_mpi == 0:
         sys.exit(f"FAIL: {full} references no MPI symbol either: the check sees nothing")
-    print(f"ok: {len(objs)} objects of {nompi} reference no MPI symbol "
+    print(f"ok: {len(objs)} objects of {' '.join(nompi)} reference no MPI symbol "
           f"({full_mpi} MPI references in the full library)")
 
 
