@@ -1363,6 +1363,18 @@ static void test_errors(void)
     log = capture_end();
     expect_status(st, MFSDP_ERR_INVALID_ARG, log, "lazy", "eager + clip");
 
+    /* A failure on one rank only (its options; they are not part of the settings compared
+     * first) fails every rank alike: the outcome of creation is agreed. */
+    memset(&o, 0, sizeof(o));
+    o.chain_chunk = g_rank == 0 ? 2 : 0;
+    capture_begin();
+    st = create_world(m, &o, &ctx);
+    log = capture_end();
+    expect_status(st, MFSDP_ERR_INVALID_ARG, log,
+                  g_rank == 0 ? "chain chunk of 2 bytes" : "failed on another rank",
+                  "one rank's failure agreed");
+    CHECK(ctx == NULL, "ctx written on failure");
+
     /* Defaults come from the environment (set in main before the first call). */
     st = create_world(m, NULL, &ctx);
     CHECK(st == MFSDP_OK, "create with defaults: %s", mfsdp_status_string(st));
