@@ -14,6 +14,8 @@
 
 #include "transport/nccl.h"
 
+ncclResult_t ncclGroupStart(void); /* nccl.h declares it without a prototype */
+
 /* An interposer's definition of an NCCL entry point, exported from this executable: the
  * table must not take it (there is no pncclGroupStart here). */
 __attribute__((visibility("default"))) ncclResult_t ncclGroupStart(void)
