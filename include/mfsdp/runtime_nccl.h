@@ -13,6 +13,9 @@
  *  - the test-only NCCL-over-MPI library (it exports `mfsdp_fake_nccl_host_memory`): host
  *    memory, the CPU executor and a host arena (registered through the library when
  *    MFSDP_NCCL_REGISTER=1).
+ * On device memory the pointers of mfsdp_param_view_t (mfsdp_ctx_get_param()) are device
+ * pointers, and buffers passed to the context's calls must be device memory of the
+ * communicator's GPU. How it works, and what has run where: docs/gpu.md.
  * Kept apart from mfsdp/runtime.h so that code that only drives a context needs no nccl.h.
  */
 #ifndef MFSDP_RUNTIME_NCCL_H
