@@ -16,8 +16,12 @@
 #endif
 
 struct mfsdp_arena {
-    void *base;                      /* one anonymous mapping */
-    size_t mapped;                   /* bytes mapped */
+    void *base;    /* one anonymous mapping (HOST) or allocation (DEVICE) */
+    size_t mapped; /* bytes mapped or allocated */
+    mfsdp_arena_kind_t kind;
+    mfsdp_arena_mem_t mem;
+    void *reg_handle;
+    int registered;
     mfsdp_arena_sizes_t sizes;
     size_t cat_off[MFSDP_ARENA_NCAT];
     size_t scratch_off;
@@ -27,12 +31,9 @@ struct mfsdp_arena {
 };
 
 static const char *const cat_names[MFSDP_ARENA_NCAT] = {
-    [MFSDP_ARENA_MASTER] = "master",
-    [MFSDP_ARENA_COMM] = "comm",
-    [MFSDP_ARENA_GRAD] = "grad",
-    [MFSDP_ARENA_MOMENTUM] = "momentum",
-    [MFSDP_ARENA_ADAM_M] = "adam_m",
-    [MFSDP_ARENA_ADAM_V] = "adam_v",
+    [MFSDP_ARENA_MASTER] = "master", [MFSDP_ARENA_COMM] = "comm",
+    [MFSDP_ARENA_GRAD] = "grad",     [MFSDP_ARENA_MOMENTUM] = "momentum",
+    [MFSDP_ARENA_ADAM_M] = "adam_m", [MFSDP_ARENA_ADAM_V] = "adam_v",
 };
 
 const char *mfsdp_arena_cat_name(mfsdp_arena_cat_t cat)
@@ -93,7 +94,8 @@ mfsdp_status_t mfsdp_arena_layout(const mfsdp_plan_t *plan, int rank, mfsdp_aren
             size_t elt = mfsdp_dtype_size(p->dtype);
             MFSDP_CHECK(reserve(&s, MFSDP_ARENA_MASTER, slot.elems, sizeof(float),
                                 &slot.off[MFSDP_ARENA_MASTER]));
-            MFSDP_CHECK(reserve(&s, MFSDP_ARENA_COMM, slot.elems, elt, &slot.off[MFSDP_ARENA_COMM]));
+            MFSDP_CHECK(
+                reserve(&s, MFSDP_ARENA_COMM, slot.elems, elt, &slot.off[MFSDP_ARENA_COMM]));
             if (p->requires_grad) {
                 MFSDP_CHECK(reserve(&s, MFSDP_ARENA_GRAD, slot.elems, sizeof(float),
                                     &slot.off[MFSDP_ARENA_GRAD]));
@@ -189,15 +191,55 @@ out:
 #endif
 }
 
+/* Free the arena's memory (deregistered first) and the arena. */
+static void arena_release(mfsdp_arena_t *a)
+{
+    if (a->registered && a->mem.dereg != NULL) {
+        mfsdp_status_t st = a->mem.dereg(a->mem.arg, a->reg_handle);
+        if (st != MFSDP_OK) {
+            MFSDP_WARN("deregistering the %zu-byte owner arena failed (%s)", a->mapped,
+                       mfsdp_status_string(st));
+        }
+    }
+    if (a->base != NULL) {
+        if (a->kind == MFSDP_ARENA_DEVICE) {
+            a->mem.free(a->mem.arg, a->base);
+        } else {
+            if (a->locked) {
+                munlock(a->base, a->mapped);
+            }
+            munmap(a->base, a->mapped);
+        }
+    }
+    free(a);
+}
+
 mfsdp_status_t mfsdp_arena_create(const mfsdp_arena_sizes_t *sizes, size_t scratch_bytes,
                                   const mfsdp_arena_opts_t *opts, mfsdp_arena_t **arena_p)
 {
     MFSDP_CHECK_ARG(sizes != NULL && arena_p != NULL);
+    mfsdp_arena_kind_t kind = opts != NULL ? opts->kind : MFSDP_ARENA_HOST;
+    if (kind != MFSDP_ARENA_HOST && kind != MFSDP_ARENA_DEVICE) {
+        MFSDP_WARN("unknown arena kind %d", (int)kind);
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    if (kind == MFSDP_ARENA_DEVICE && (opts->mem.alloc == NULL || opts->mem.free == NULL)) {
+        MFSDP_WARN("a device arena needs an allocator (alloc and free callbacks)");
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    if (opts != NULL && (opts->mem.reg == NULL) != (opts->mem.dereg == NULL)) {
+        MFSDP_WARN("arena registration needs both reg and dereg callbacks");
+        return MFSDP_ERR_INVALID_ARG;
+    }
     mfsdp_arena_t *a = calloc(1, sizeof(*a));
     if (a == NULL) {
         return MFSDP_ERR_NO_MEMORY;
     }
     a->numa_node = -1;
+    a->kind = kind;
+    if (opts != NULL) {
+        a->mem = opts->mem;
+    }
     a->sizes = *sizes;
     size_t off = 0;
     a->sizes.total = 0;
@@ -219,7 +261,18 @@ mfsdp_status_t mfsdp_arena_create(const mfsdp_arena_sizes_t *sizes, size_t scrat
         return MFSDP_ERR_OVERFLOW;
     }
     a->mapped = off;
-    if (off != 0) {
+    if (off != 0 && kind == MFSDP_ARENA_DEVICE) {
+        /* One allocation, never returned before destroy; the callee zeroes it. */
+        void *p = NULL;
+        mfsdp_status_t st = a->mem.alloc(a->mem.arg, off, &p);
+        if (st != MFSDP_OK || p == NULL) {
+            MFSDP_WARN("cannot allocate the %zu-byte device owner arena (%s)", off,
+                       mfsdp_status_string(st != MFSDP_OK ? st : MFSDP_ERR_NO_MEMORY));
+            free(a);
+            return st != MFSDP_OK ? st : MFSDP_ERR_NO_MEMORY;
+        }
+        a->base = p;
+    } else if (off != 0) {
         /* An anonymous mapping is page-aligned, zeroed and never returned to a caching
          * allocator: the "pinned owner buffer" of DESIGN.md section 7. */
         void *p = mmap(NULL, off, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -237,25 +290,31 @@ mfsdp_status_t mfsdp_arena_create(const mfsdp_arena_sizes_t *sizes, size_t scrat
             a->locked = lock_pages(p, off);
         }
     }
-    MFSDP_INFO(ALLOC, "owner arena: %zu bytes (%zu in tensors, %zu scratch), %s, numa node %d",
-               a->mapped, a->sizes.total, scratch_bytes, a->locked ? "page-locked" : "pageable",
-               a->numa_node);
+    if (a->base != NULL && a->mem.reg != NULL) {
+        mfsdp_status_t st = a->mem.reg(a->mem.arg, a->base, a->mapped, &a->reg_handle);
+        if (st != MFSDP_OK) {
+            MFSDP_WARN("registering the %zu-byte owner arena with the communicator failed (%s)",
+                       a->mapped, mfsdp_status_string(st));
+            arena_release(a);
+            return st;
+        }
+        a->registered = 1;
+    }
+    MFSDP_INFO(ALLOC, "owner arena: %zu bytes (%zu in tensors, %zu scratch), %s%s, numa node %d",
+               a->mapped, a->sizes.total, scratch_bytes,
+               kind == MFSDP_ARENA_DEVICE ? "device memory"
+               : a->locked                ? "page-locked"
+                                          : "pageable",
+               a->registered ? ", registered" : "", a->numa_node);
     *arena_p = a;
     return MFSDP_OK;
 }
 
 void mfsdp_arena_destroy(mfsdp_arena_t *arena)
 {
-    if (arena == NULL) {
-        return;
+    if (arena != NULL) {
+        arena_release(arena);
     }
-    if (arena->base != NULL) {
-        if (arena->locked) {
-            munlock(arena->base, arena->mapped);
-        }
-        munmap(arena->base, arena->mapped);
-    }
-    free(arena);
 }
 
 void *mfsdp_arena_base(const mfsdp_arena_t *arena, mfsdp_arena_cat_t cat)
@@ -296,6 +355,16 @@ int mfsdp_arena_locked(const mfsdp_arena_t *arena)
     return arena != NULL && arena->locked;
 }
 
+mfsdp_arena_kind_t mfsdp_arena_kind(const mfsdp_arena_t *arena)
+{
+    return arena == NULL ? MFSDP_ARENA_HOST : arena->kind;
+}
+
+int mfsdp_arena_registered(const mfsdp_arena_t *arena)
+{
+    return arena != NULL && arena->registered;
+}
+
 int mfsdp_arena_numa_node(const mfsdp_arena_t *arena)
 {
     return arena == NULL ? -1 : arena->numa_node;
@@ -307,9 +376,9 @@ void mfsdp_arena_report(const mfsdp_arena_t *arena, int rank)
         return;
     }
     for (int c = 0; c < MFSDP_ARENA_NCAT; c++) {
-        MFSDP_INFO(ALLOC, "rank %d arena %-8s %zu bytes", rank, cat_names[c],
-                   arena->sizes.cat[c]);
+        MFSDP_INFO(ALLOC, "rank %d arena %-8s %zu bytes", rank, cat_names[c], arena->sizes.cat[c]);
     }
-    MFSDP_INFO(ALLOC, "rank %d arena scratch  %zu bytes; peak %zu bytes", rank,
-               arena->scratch_bytes, arena->mapped);
+    MFSDP_INFO(ALLOC, "rank %d arena scratch  %zu bytes; peak %zu bytes (%s memory)", rank,
+               arena->scratch_bytes, arena->mapped,
+               arena->kind == MFSDP_ARENA_DEVICE ? "device" : "host");
 }

@@ -67,6 +67,14 @@
     X(DOUBLE, MFSDP_ADAMW_LR, adamw_lr, "", "0:", "override the AdamW learning rate")              \
     X(DOUBLE, MFSDP_ADAMW_WEIGHT_DECAY, adamw_weight_decay, "",                                    \
       "0:", "override the AdamW weight decay")                                                     \
+    X(ENUM, MFSDP_TRANSPORT, transport, "auto", "auto|mpi|nccl",                                   \
+      "what moves owner collectives: auto = nccl on NCCL communicators (the job's own, on the "    \
+      "intercepted call's stream; no MPI needed) and mpi on MPI ones; mpi on an NCCL "             \
+      "communicator = the MPI transport over host memory (the test NCCL library only)")            \
+    X(BOOL, MFSDP_NCCL_REGISTER, nccl_register, "0", "",                                           \
+      "NCCL path: allocate the owner arena with ncclMemAlloc and register it once with the "       \
+      "communicator (ncclCommRegister, zero-copy transfers); 0 = cudaMalloc, unregistered. "       \
+      "Every rank must agree")                                                                     \
     X(BOOL, MFSDP_MLOCK, mlock, "1", "",                                                           \
       "page-lock CPU owner arenas (falls back with a warning when RLIMIT_MEMLOCK forbids)")        \
     X(BOOL, MFSDP_NUMA_BIND, numa_bind, "1", "", "bind CPU owner arenas to the rank's NUMA node")  \
@@ -128,6 +136,7 @@ enum {
     MFSDP_CFG_TAIL_AUTO = 2,
     MFSDP_CFG_TAIL_JOB = 3
 };
+enum { MFSDP_CFG_TRANSPORT_AUTO = 0, MFSDP_CFG_TRANSPORT_MPI = 1, MFSDP_CFG_TRANSPORT_NCCL = 2 };
 enum {
     MFSDP_CFG_ALGO_AUTO = 0,
     MFSDP_CFG_ALGO_DIRECT = 1,

@@ -196,9 +196,11 @@ static void gather_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
         {
             size_t slot = k % MFSDP_SCHED_WINDOW;
             int stag = tag + (int)slot;
+            int w2 = 2 * (int)(k / MFSDP_SCHED_WINDOW); /* waves: hop - 1 + 2 * window */
             if (pos == 0) {
                 mfsdp_sched_op_t op =
                     mkop(MFSDP_SCHED_SEND, si, next, MFSDP_BUF_SRC, off, len, stag, -1);
+                op.wave = w2;
                 push(l, &op);
                 k++;
                 continue;
@@ -208,13 +210,16 @@ static void gather_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
             mfsdp_sched_op_t op = mkop(MFSDP_SCHED_RECV, si, prev, MFSDP_BUF_STAGE, off, len, stag,
                                        k >= MFSDP_SCHED_WINDOW ? rel[slot] : -1);
             op.boff = slot * chunk;
+            op.wave = pos - 1 + w2;
             long d = push(l, &op);
             op = mkop(MFSDP_SCHED_COPYOUT, si, rank, MFSDP_BUF_STAGE, off, len, stag, d);
             op.boff = slot * chunk;
+            op.wave = pos - 1 + w2;
             d = push(l, &op);
             if (pos < n - 1) {
                 op = mkop(MFSDP_SCHED_SEND, si, next, MFSDP_BUF_STAGE, off, len, stag, d);
                 op.boff = slot * chunk;
+                op.wave = pos + w2;
                 d = push(l, &op);
             }
             rel[slot] = d;
@@ -282,20 +287,24 @@ static void reduce_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
             size_t boff = slot * chunk_elems;
             int stag = tag + (int)slot;                      /* chain hops */
             int ftag = tag + MFSDP_SCHED_WINDOW + (int)slot; /* last rank -> owner */
+            int w2 = 2 * (int)(k / MFSDP_SCHED_WINDOW);      /* waves: hop - 1 + 2 * window */
             long dep = k >= MFSDP_SCHED_WINDOW ? rel[slot] : -1;
             mfsdp_sched_op_t op;
             if (rank > 0) {
                 op = mkop(MFSDP_SCHED_RECV, si, rank - 1, MFSDP_BUF_PIN, off, len, stag, dep);
                 op.boff = boff;
+                op.wave = rank - 1 + w2;
                 dep = push(l, &op);
             }
             if (rank < n - 1 || rank != o) {
                 op = mkop(MFSDP_SCHED_SEND, si, rank < n - 1 ? rank + 1 : o, MFSDP_BUF_POUT, off,
                           len, rank < n - 1 ? stag : ftag, dep);
                 op.combine = 1;
+                op.wave = rank + w2; /* hop rank + 1, or n (to the owner) from rank n - 1 */
             } else {
                 op = mkop(MFSDP_SCHED_APPLY, si, o, MFSDP_BUF_PIN, off, len, stag, dep);
                 op.apply = MFSDP_APPLY_LAST;
+                op.wave = rank > 0 ? rank - 1 + w2 : 0; /* after the receive, if any */
             }
             op.has_in = rank > 0;
             op.boff = boff;
@@ -304,10 +313,12 @@ static void reduce_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
                 op = mkop(MFSDP_SCHED_RECV, si, n - 1, MFSDP_BUF_FINAL, off, len, ftag,
                           k >= MFSDP_SCHED_WINDOW ? relf[slot] : -1);
                 op.boff = boff;
+                op.wave = n - 1 + w2;
                 long d = push(l, &op);
                 op = mkop(MFSDP_SCHED_APPLY, si, o, MFSDP_BUF_FINAL, off, len, ftag, d);
                 op.apply = MFSDP_APPLY_FINAL;
                 op.boff = boff;
+                op.wave = n - 1 + w2;
                 relf[slot] = push(l, &op);
             }
             k++;

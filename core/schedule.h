@@ -80,6 +80,13 @@ typedef struct mfsdp_sched_op {
     int combine;               /* reduce SEND/REDUCE: first POUT = (dep ? PIN : 0) + own */
     int has_in;                /* combine/APPLY_LAST: a PIN chunk was received */
     mfsdp_sched_apply_t apply; /* APPLY variant */
+    /* Wave: a transport without a completion loop (NCCL: one ncclGroupStart/End per wave, in
+     * stream order) runs wave 0, 1, ... in turn on every rank. The communication ops of one
+     * wave are matched by the ops of the same wave on their peers, in list order per peer
+     * pair (NCCL has no tags), and a communication op is in a later wave than every op it
+     * depends on. A local op (APPLY, COPYOUT) runs after the communication of its wave, in
+     * list order; DEP_ALL ops run after the last wave. */
+    int wave;
 } mfsdp_sched_op_t;
 
 /* One owner segment: an owned tensor of the group. */
@@ -139,7 +146,11 @@ void mfsdp_group_sched_destroy(mfsdp_group_sched_t *gs);
  *    whole tensor.
  *  - NATIVE: one broadcast / one fp32 reduce per segment (split at MFSDP_SCHED_MAX_MSG).
  * A group with a sharded tail gets one TAIL op first. All ops of a group are meant to be
- * in flight together (one completion loop).
+ * in flight together (one completion loop), or run wave by wave (op->wave): direct and native
+ * are one wave; a chain hop h (rank h-1 to h in the reduce, position h-1 to h from the owner
+ * in the gather; the reduce's last hop to the owner is h = n) of the chunks of window w
+ * (chunk index / MFSDP_SCHED_WINDOW) is wave h - 1 + 2w, so a ring slot is sent on (wave
+ * h + 2(w-1)) before its next chunk arrives (wave h - 1 + 2w).
  */
 mfsdp_status_t mfsdp_sched_build(const mfsdp_group_sched_t *gs, int rank, mfsdp_sched_dir_t dir,
                                  mfsdp_algo_t algo, size_t chunk, mfsdp_sched_ops_t *ops_p);

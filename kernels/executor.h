@@ -14,6 +14,10 @@
 
 #include "mfsdp/kernels.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct mfsdp_exec mfsdp_exec_t;
 
 typedef struct mfsdp_exec_ops {
@@ -23,9 +27,14 @@ typedef struct mfsdp_exec_ops {
     mfsdp_status_t (*set_stream)(mfsdp_exec_t *e, void *stream);
     mfsdp_status_t (*copy)(mfsdp_exec_t *e, void *dst, const void *src, size_t bytes);
     mfsdp_status_t (*zero)(mfsdp_exec_t *e, void *dst, size_t bytes);
-    /* Host bytes to executor memory and back (small control data: tests, checkpoints). */
+    /* Host bytes to executor memory and back (small control data: tests, checkpoints,
+     * a transport's host values). download waits until the bytes are on the host. */
     mfsdp_status_t (*upload)(mfsdp_exec_t *e, void *dst, const void *host, size_t bytes);
     mfsdp_status_t (*download)(mfsdp_exec_t *e, void *host, const void *src, size_t bytes);
+    /* Zeroed memory of the executor's kind (the device arena, HSDP staging); bytes == 0 gives
+     * NULL. Not for the hot path: the cuda executor allocates and synchronizes. */
+    mfsdp_status_t (*mem_alloc)(mfsdp_exec_t *e, size_t bytes, void **ptr_p);
+    void (*mem_free)(mfsdp_exec_t *e, void *ptr);
     mfsdp_status_t (*cast)(mfsdp_exec_t *e, void *dst, mfsdp_dtype_t dst_dtype, const void *src,
                            mfsdp_dtype_t src_dtype, size_t n);
     mfsdp_status_t (*pack)(mfsdp_exec_t *e, void *full, const void *fsdp_buf,
@@ -72,5 +81,15 @@ struct mfsdp_exec {
 
 /* The host-memory executor (CPU kernels). */
 mfsdp_status_t mfsdp_exec_cpu_create(mfsdp_exec_t **e_p);
+
+/* The device executor (kernels/cuda/exec_cuda.cu, built only with CUDA: MFSDP_HAVE_CUDA):
+ * makes @p device current, creates a CUDA context (cuBLAS handle, workspace) on the legacy
+ * default stream until set_stream, and a small device scratch for sqnorm. Its copies and
+ * kernels are enqueued on the current stream; sqnorm, download, mem_alloc and sync wait. */
+mfsdp_status_t mfsdp_exec_cuda_create(int device, mfsdp_exec_t **e_p);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* MFSDP_KERNELS_EXECUTOR_H */

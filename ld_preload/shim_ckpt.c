@@ -96,7 +96,11 @@ mfsdp_status_t shim_ckpt_start(shim_comm_t *c, char *msg, size_t msglen)
     }
     const char *resume = cfg->resume_set && cfg->resume[0] ? cfg->resume : NULL;
     const char *init = cfg->init_set && cfg->init[0] ? cfg->init : NULL;
-    mfsdp_status_t st = MFSDP_OK;
+    mfsdp_status_t st = mfsdp_ckpt_ctx_supported(c->ctx); /* the same on every rank */
+    if (st != MFSDP_OK) {
+        snprintf(msg, msglen, "the checkpoint variables cannot be honoured");
+        return st;
+    }
     if (resume != NULL && strcmp(resume, "auto") == 0) {
         /* Rank-local filesystem view: the ranks agree on it below (a load is collective). */
         char latest[4096];

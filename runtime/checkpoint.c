@@ -114,6 +114,12 @@ static mfsdp_status_t ctx_check(const struct mfsdp_ctx *ctx)
  * of the context would miss them (the same answer on every rank: the plan is shared). */
 static mfsdp_status_t tail_check(const struct mfsdp_ctx *ctx)
 {
+    if (ctx->exec->ops->device_memory) {
+        MFSDP_WARN("checkpoint: the context's state is in device memory; checkpoints of "
+                   "device-resident contexts are not implemented yet (the save copies and the "
+                   "load writes host memory)");
+        return MFSDP_ERR_UNSUPPORTED;
+    }
     if (ctx->plan->tail == MFSDP_TAIL_JOB) {
         MFSDP_WARN("checkpoint: the plan's tail is \"job\": the AdamW tensors and their state "
                    "are the job's, not the context's; a context checkpoint would miss them "
@@ -1181,6 +1187,11 @@ int mfsdp_ckpt_ctx_boundary(const struct mfsdp_ctx *ctx, int equal, int64_t *ste
         *step_p = step;
     }
     return ok;
+}
+
+mfsdp_status_t mfsdp_ckpt_ctx_supported(const struct mfsdp_ctx *ctx)
+{
+    return tail_check(ctx);
 }
 
 int mfsdp_ckpt_ctx_replica(const struct mfsdp_ctx *ctx)

@@ -27,6 +27,10 @@ mfsdp_status_t mfsdp_ckpt_ctx_layout(const struct mfsdp_ctx *ctx, mfsdp_ckpt_lay
  * count). The same on every rank: it depends only on the calls made. */
 int mfsdp_ckpt_ctx_boundary(const struct mfsdp_ctx *ctx, int equal, int64_t *step_p);
 
+/* MFSDP_OK when the context can be saved and loaded, else MFSDP_ERR_UNSUPPORTED with the
+ * reason logged (tail "job"; state in device memory). */
+mfsdp_status_t mfsdp_ckpt_ctx_supported(const struct mfsdp_ctx *ctx);
+
 /* This rank's index among the replicas (HSDP, once the replicate communicator is attached),
  * -1 when none is attached. */
 int mfsdp_ckpt_ctx_replica(const struct mfsdp_ctx *ctx);

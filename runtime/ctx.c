@@ -222,15 +222,18 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
         mfsdp_add_overflow(scratch, stage, &scratch)) {
         return MFSDP_ERR_OVERFLOW;
     }
-    mfsdp_arena_opts_t ao = {.mlock = cfg->mlock && !opts->no_mlock, .numa_bind = cfg->numa_bind};
+    mfsdp_arena_opts_t ao = {.mlock = cfg->mlock && !opts->no_mlock,
+                             .numa_bind = cfg->numa_bind,
+                             .kind = ctx->arena_kind,
+                             .mem = ctx->arena_mem};
     MFSDP_CHECK(mfsdp_arena_create(&sizes, scratch, &ao, &ctx->arena));
     if (ctx->replicate > 1) {
-        /* One reduce's gradients, in GRAD's layout, until the replicate all-reduce. */
+        /* One reduce's gradients, in GRAD's layout, until the replicate all-reduce (in the
+         * executor's memory: the replicate transport and the executor work on it). */
         ctx->hsdp_bytes = sizes.cat[MFSDP_ARENA_GRAD];
-        ctx->hsdp_in = calloc(ctx->hsdp_bytes + 1, 1);
-        if (ctx->hsdp_in == NULL) {
-            return MFSDP_ERR_NO_MEMORY;
-        }
+        void *p = NULL;
+        MFSDP_CHECK(ctx->exec->ops->mem_alloc(ctx->exec, ctx->hsdp_bytes + 1, &p));
+        ctx->hsdp_in = p;
     }
     ctx->stage = mfsdp_arena_scratch(ctx->arena);
     ctx->stage_bytes = stage;
@@ -302,7 +305,9 @@ void mfsdp_ctx_free(struct mfsdp_ctx *ctx)
     free(ctx->groups);
     free(ctx->seen);
     free(ctx->shard_steps);
-    free(ctx->hsdp_in);
+    if (ctx->hsdp_in != NULL) {
+        ctx->exec->ops->mem_free(ctx->exec, ctx->hsdp_in);
+    }
     if (ctx->rtp != NULL) {
         ctx->rtp->ops->destroy(ctx->rtp);
     }
@@ -329,6 +334,18 @@ void mfsdp_ctx_destroy(mfsdp_ctx_h *ctx_p)
     }
     mfsdp_ctx_free(*ctx_p);
     *ctx_p = NULL;
+}
+
+mfsdp_status_t mfsdp_ctx_set_stream(mfsdp_ctx_h ctx, void *stream)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    MFSDP_CHECK(ctx->exec->ops->set_stream(ctx->exec, stream));
+    MFSDP_CHECK(ctx->tp->ops->set_stream(ctx->tp, stream));
+    if (ctx->rtp != NULL) {
+        MFSDP_CHECK(ctx->rtp->ops->set_stream(ctx->rtp, stream));
+    }
+    ctx->stream = stream;
+    return MFSDP_OK;
 }
 
 /* ---------------------------------------------------------------------------------------

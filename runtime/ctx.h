@@ -51,6 +51,11 @@ struct mfsdp_ctx {
     int world;
     mfsdp_transport_t *tp;
     mfsdp_exec_t *exec; /* local work on the arena's memory (cpu | cuda) */
+    void *stream;       /* the stream of the intercepted call (mfsdp_ctx_set_stream) */
+    /* Set by the constructor before mfsdp_ctx_init_local(): zero = a host arena (mmap);
+     * the NCCL constructor brings device memory and registration (alloc/arena.h). */
+    mfsdp_arena_kind_t arena_kind;
+    mfsdp_arena_mem_t arena_mem;
     mfsdp_arena_t *arena;
     mfsdp_arena_slot_t *slots;   /* plan->nshards */
     mfsdp_group_state_t *groups; /* manifest->ngroups */

@@ -134,7 +134,7 @@ build() {
     "$nvcc" "${nvflags[@]}" -c "$f" -o "$o" >"$o.log" 2>&1 &
     pids+=($!)
   done
-  for f in core/status.c core/log.c kernels/cpu/*.c tests/gpu/test_cuda_kernels.c; do
+  for f in core/status.c core/log.c kernels/hparams.c kernels/cpu/*.c tests/gpu/test_cuda_kernels.c; do
     o=$b/obj/$(basename "$f" .c).o
     gcc "${cflags[@]}" -c "$f" -o "$o" >"$o.log" 2>&1 &
     pids+=($!)

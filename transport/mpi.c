@@ -30,44 +30,6 @@ typedef struct engine {
     size_t active;
 } engine_t;
 
-static void *seg_buf(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, size_t *elt_p)
-{
-    const mfsdp_xfer_bufs_t *b = &x->bufs[op->seg];
-    size_t elt = 1;
-    void *p = NULL;
-    if (x->dir == MFSDP_SCHED_DIR_REDUCE) {
-        elt = sizeof(float);
-    }
-    switch (op->buf) {
-    case MFSDP_BUF_SRC:
-        p = b->src;
-        if (x->dir == MFSDP_SCHED_DIR_REDUCE) {
-            elt = mfsdp_dtype_size(x->dtype);
-        }
-        break;
-    case MFSDP_BUF_STAGE:
-        p = b->stage;
-        if (x->dir == MFSDP_SCHED_DIR_REDUCE) {
-            elt = mfsdp_dtype_size(x->dtype);
-            if (p != NULL) {
-                p = (char *)p + (size_t)op->slot * x->gs->segs[op->seg].numel * elt;
-            }
-        }
-        break;
-    case MFSDP_BUF_PIN:
-        p = b->pin;
-        break;
-    case MFSDP_BUF_POUT:
-        p = b->pout;
-        break;
-    case MFSDP_BUF_FINAL:
-        p = b->final;
-        break;
-    }
-    *elt_p = elt;
-    return p;
-}
-
 static mfsdp_status_t post(engine_t *e, long i);
 
 static mfsdp_status_t post_children(engine_t *e, long i)
@@ -246,7 +208,7 @@ static mfsdp_status_t post(engine_t *e, long i)
         e->active++;
         return MFSDP_OK;
     }
-    p = seg_buf(x, op, &elt);
+    p = mfsdp_xfer_buf(x, op, &elt);
     if (p == NULL) {
         MFSDP_WARN("segment %u: no buffer bound for op %ld", op->seg, i);
         return MFSDP_ERR_INTERNAL;
@@ -452,6 +414,13 @@ static mfsdp_status_t mpi_allgather_bytes(mfsdp_transport_t *tb, const void *min
     return MFSDP_OK;
 }
 
+static mfsdp_status_t mpi_set_stream(mfsdp_transport_t *tb, void *stream)
+{
+    (void)tb;
+    (void)stream; /* host memory: every operation completes before its call returns */
+    return MFSDP_OK;
+}
+
 static void mpi_destroy(mfsdp_transport_t *tb)
 {
     mpi_transport_t *t = (mpi_transport_t *)tb;
@@ -474,6 +443,7 @@ static const mfsdp_transport_ops_t mpi_ops = {
     .allreduce_f32 = mpi_allreduce_f32,
     .allreduce_u64 = mpi_allreduce_u64,
     .allgather_bytes = mpi_allgather_bytes,
+    .set_stream = mpi_set_stream,
     .destroy = mpi_destroy,
 };
 

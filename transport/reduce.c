@@ -8,6 +8,40 @@
 #include "kernels/executor.h"
 #include "transport/transport.h"
 
+void *mfsdp_xfer_buf(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, size_t *elt_p)
+{
+    const mfsdp_xfer_bufs_t *b = &x->bufs[op->seg];
+    int reduce = x->dir == MFSDP_SCHED_DIR_REDUCE;
+    size_t elt = reduce ? sizeof(float) : 1;
+    void *p = NULL;
+    switch (op->buf) {
+    case MFSDP_BUF_SRC:
+        p = b->src;
+        elt = reduce ? mfsdp_dtype_size(x->dtype) : 1;
+        break;
+    case MFSDP_BUF_STAGE:
+        p = b->stage;
+        if (reduce) {
+            elt = mfsdp_dtype_size(x->dtype);
+            if (p != NULL) {
+                p = (char *)p + (size_t)op->slot * x->gs->segs[op->seg].numel * elt;
+            }
+        }
+        break;
+    case MFSDP_BUF_PIN:
+        p = b->pin;
+        break;
+    case MFSDP_BUF_POUT:
+        p = b->pout;
+        break;
+    case MFSDP_BUF_FINAL:
+        p = b->final;
+        break;
+    }
+    *elt_p = elt;
+    return p;
+}
+
 /* Combine elements [off, off+len) of a tensor's contribution read in place from FSDP's
  * reduce-scatter input: the range is cut into runs that are contiguous there (the rows of
  * one rank block), so no packed copy of the contribution is needed. */

@@ -6,7 +6,15 @@
  * in the owner arena; a transport keeps nothing long-lived besides its communicator.
  *
  * Implementations: MPI (transport/mpi.c, MPI_Isend/Irecv, MPI_Ibcast/Ireduce,
- * MPI_Iallgather/Ireduce_scatter_block). NCCL comes later behind the same table.
+ * MPI_Iallgather/Ireduce_scatter_block; one completion loop) and NCCL (transport/nccl.c,
+ * the library's pncclX functions, wave by wave in ncclGroupStart/End on one stream).
+ *
+ * Memory: buffers of run, p2p and allreduce_f32 are of the executor's kind (device memory
+ * under NCCL + CUDA); allreduce_sum, allreduce_u64 and allgather_bytes take host values (a
+ * device transport stages them and waits: they serve context creation and the one clipping
+ * scalar, never the per-call hot path).
+ * Ordering: point-to-point transfers between two ranks are matched in the order both post
+ * them (NCCL has no tags; MPI tags are used but never relied on for reordering).
  */
 #ifndef MFSDP_TRANSPORT_TRANSPORT_H
 #define MFSDP_TRANSPORT_TRANSPORT_H
@@ -66,7 +74,9 @@ typedef struct mfsdp_transport_ops {
     const char *name;
     /* Execute a group's op list; returns when every op of this rank has completed. */
     mfsdp_status_t (*run)(mfsdp_transport_t *t, const mfsdp_xfer_t *x);
-    /* Post a batch of point-to-point transfers and wait for all of them. */
+    /* Post a batch of point-to-point transfers and wait for all of them (NCCL: one group,
+     * complete in stream order). Two ranks list their transfers to each other in the same
+     * order. */
     mfsdp_status_t (*p2p)(mfsdp_transport_t *t, const mfsdp_p2p_t *v, size_t n);
     /* Sum one double over all ranks in place (the clipping norm). */
     mfsdp_status_t (*allreduce_sum)(mfsdp_transport_t *t, double *value);
@@ -78,6 +88,10 @@ typedef struct mfsdp_transport_ops {
     /* Gather bytes from every rank, rank-major into all (world * bytes). */
     mfsdp_status_t (*allgather_bytes)(mfsdp_transport_t *t, const void *mine, size_t bytes,
                                       void *all);
+    /* The stream of the intercepted call (a cudaStream_t; NULL: the legacy default stream):
+     * every operation of later calls is enqueued on it, in call order, and "completed" in
+     * run/p2p means completed in stream order (the host does not wait). MPI: ignored. */
+    mfsdp_status_t (*set_stream)(mfsdp_transport_t *t, void *stream);
     void (*destroy)(mfsdp_transport_t *t);
 } mfsdp_transport_ops_t;
 
@@ -92,6 +106,10 @@ struct mfsdp_transport {
  * reduce op list, identical whatever moves the bytes, done by x->exec (combine, apply and
  * reduce_ordered of kernels/executor.h).
  */
+/* The buffer an op reads or writes (before op->boff) and its element size: bytes for the
+ * gather, the reduce dtype for SRC/STAGE (STAGE at the op's slot) and fp32 for PIN, POUT
+ * and FINAL in the reduce. NULL when the runtime bound none. */
+void *mfsdp_xfer_buf(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, size_t *elt_p);
 /* Run the local (APPLY, COPYOUT) op of an op list. */
 mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, int rank,
                                 int world);

@@ -183,6 +183,37 @@ MFSDP_API mfsdp_status_t mfsdp_cuda_reduce_ordered(mfsdp_cuda_ctx_t *ctx, float 
                                                    mfsdp_redop_t op, float scalar, int accumulate);
 
 /**
+ * @brief One step of a reduce pipeline, as the CPU executor's combine (kernels/executor.h):
+ *        pout[i] = pin[i] + v (or v when @p pin is NULL: no addition of 0), with
+ *        v = x[i] converted to fp32 (times @p scalar for PREMULSUM), fp32 without fused
+ *        multiply-add: bitwise equal to the CPU executor.
+ * @param [out] pout    n floats (device); may be @p pin (in place), must not overlap @p x
+ * @param [in]  pin     n floats (device) or NULL
+ * @param [in]  x       n elements of @p dtype (float32, bfloat16, float16)
+ * @param [in]  op      MFSDP_OP_SUM, MFSDP_OP_AVG (no scaling here) or MFSDP_OP_PREMULSUM
+ */
+MFSDP_API mfsdp_status_t mfsdp_cuda_combine(mfsdp_cuda_ctx_t *ctx, float *pout, const float *pin,
+                                            const void *x, mfsdp_dtype_t dtype, size_t n,
+                                            mfsdp_redop_t op, float scalar);
+
+/**
+ * @brief grad[i] += (AVG ? s[i] / world : s[i]) in fp32 (_rn operations, bitwise equal to the
+ *        CPU executor's apply). @p grad and @p s must not overlap.
+ */
+MFSDP_API mfsdp_status_t mfsdp_cuda_apply(mfsdp_cuda_ctx_t *ctx, float *grad, const float *s,
+                                          size_t n, mfsdp_redop_t op, int world);
+
+/** @brief x[i] *= a (fp32, bitwise equal to the CPU executor's scale). */
+MFSDP_API mfsdp_status_t mfsdp_cuda_scale(mfsdp_cuda_ctx_t *ctx, float *x, size_t n, float a);
+
+/**
+ * @brief y[i] += x[i] * a (no fused multiply-add), then x[i] = 0: HSDP moves a replicated
+ *        contribution into the gradient. @p y and @p x must not overlap.
+ */
+MFSDP_API mfsdp_status_t mfsdp_cuda_axpy_clear(mfsdp_cuda_ctx_t *ctx, float *y, float *x, size_t n,
+                                               float a);
+
+/**
  * @brief Convert @p n elements between float32, bfloat16 and float16 on the device (same
  *        dtype: a copy). To 16-bit: round to nearest even, NaN stays NaN, +-inf kept,
  *        overflow to inf. @p dst and @p src must not overlap.

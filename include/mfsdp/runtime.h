@@ -27,7 +27,8 @@
  * pointer passed on one rank only is still rejected on that rank, but its peers may then
  * wait; do not do that.
  *
- * The communicator-specific constructor lives in mfsdp/runtime_mpi.h.
+ * The communicator-specific constructors live in mfsdp/runtime_mpi.h (MPI + CPU) and
+ * mfsdp/runtime_nccl.h (NCCL: CUDA on device memory, or the CPU over the test library).
  *
  * A C trainer's iteration (FSDP's buffers and calls, remapped):
  * @code
@@ -280,6 +281,21 @@ MFSDP_API mfsdp_status_t mfsdp_ctx_flush(mfsdp_ctx_h ctx);
  */
 MFSDP_API mfsdp_status_t mfsdp_ctx_get_param(mfsdp_ctx_h ctx, const char *name,
                                              mfsdp_param_view_t *view_p);
+
+/**
+ * @brief The stream of the intercepted call (a `cudaStream_t`; NULL: the legacy default
+ *        stream). Everything later calls enqueue — copies, reductions, the transfers, the
+ *        eager step of a reduce, the lazy step of an all-gather — goes on it, in call order,
+ *        before the call returns, so that events the job records after its call cover that
+ *        work; the host does not wait for it (only the clipping norm does). Set it before
+ *        each remapped call whose stream differs from the last. Not collective; with host
+ *        memory (the MPI backend, the test NCCL library) every call completes before it
+ *        returns and the stream is ignored.
+ * @param [in] ctx     context
+ * @param [in] stream  cudaStream_t as `void *`
+ * @return MFSDP_OK, MFSDP_ERR_STATE (destroyed context), MFSDP_ERR_CUDA
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_set_stream(mfsdp_ctx_h ctx, void *stream);
 
 /**
  * @brief Counters, resolved settings and memory of this rank. Not collective.

@@ -45,6 +45,29 @@ static mfsdp_status_t cpu_zero(mfsdp_exec_t *e, void *dst, size_t bytes)
     return MFSDP_OK;
 }
 
+static mfsdp_status_t cpu_mem_alloc(mfsdp_exec_t *e, size_t bytes, void **ptr_p)
+{
+    (void)e;
+    MFSDP_CHECK_ARG(ptr_p != NULL);
+    if (bytes == 0) {
+        *ptr_p = NULL;
+        return MFSDP_OK;
+    }
+    void *p = calloc(1, bytes);
+    if (p == NULL) {
+        MFSDP_WARN("cannot allocate %zu bytes of host memory", bytes);
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    *ptr_p = p;
+    return MFSDP_OK;
+}
+
+static void cpu_mem_free(mfsdp_exec_t *e, void *ptr)
+{
+    (void)e;
+    free(ptr);
+}
+
 static mfsdp_status_t cpu_cast(mfsdp_exec_t *e, void *dst, mfsdp_dtype_t dd, const void *src,
                                mfsdp_dtype_t sd, size_t n)
 {
@@ -180,6 +203,8 @@ static const mfsdp_exec_ops_t cpu_ops = {
     .zero = cpu_zero,
     .upload = cpu_copy,
     .download = cpu_copy,
+    .mem_alloc = cpu_mem_alloc,
+    .mem_free = cpu_mem_free,
     .cast = cpu_cast,
     .pack = cpu_pack,
     .unpack = cpu_unpack,

@@ -115,6 +115,125 @@ static mfsdp_status_t reduce_launch(float *out, const void *const *src, int nsrc
     return ew_launch(r, n, vec, s, "reduce_ordered");
 }
 
+/* ------------------------------------------- reduce pipelines (executor ops) */
+
+/* pout = (pin ? pin + v : v), v = x (times scalar for premulsum), as the CPU executor's
+ * combine: explicit _rn operations, no contraction. pin may be pout (in place). */
+template <typename S> struct combine_op {
+    float *pout;
+    const float *pin; /* NULL: the first term is absent */
+    const S *x;
+    int premul;
+    float scalar;
+
+    MFSDP_HD float term(float v) const
+    {
+        return premul ? mul_rn(v, scalar) : v;
+    }
+    MFSDP_HD void vec(size_t i) const
+    {
+        float v[8], p[8];
+        load8(x + i, v);
+        if (pin != NULL) {
+            load8(pin + i, p);
+        }
+        MFSDP_UNROLL
+        for (int j = 0; j < 8; j++) {
+            v[j] = pin != NULL ? add_rn(p[j], term(v[j])) : term(v[j]);
+        }
+        store8(pout + i, v);
+    }
+    MFSDP_HD void one(size_t i) const
+    {
+        const float v = term(to_f32(x[i]));
+        pout[i] = pin != NULL ? add_rn(pin[i], v) : v;
+    }
+};
+
+template <typename S>
+static mfsdp_status_t combine_launch(float *pout, const float *pin, const void *x, size_t n,
+                                     int premul, float scalar, cudaStream_t s)
+{
+    const combine_op<S> op{pout, pin, (const S *)x, premul, scalar};
+    const bool vec = aligned16(pout) && aligned16(x) && (pin == NULL || aligned16(pin));
+    return ew_launch(op, n, vec, s, "combine");
+}
+
+/* grad += avg ? s / world : s (the owner's accumulation of a reduced chunk). */
+struct apply_op {
+    float *grad;
+    const float *s;
+    int avg;
+    float world;
+
+    MFSDP_HD float term(float v) const
+    {
+        return avg ? div_rn(v, world) : v;
+    }
+    MFSDP_HD void vec(size_t i) const
+    {
+        float g[8], v[8];
+        load8(grad + i, g);
+        load8(s + i, v);
+        MFSDP_UNROLL
+        for (int j = 0; j < 8; j++) {
+            g[j] = add_rn(g[j], term(v[j]));
+        }
+        store8(grad + i, g);
+    }
+    MFSDP_HD void one(size_t i) const
+    {
+        grad[i] = add_rn(grad[i], term(s[i]));
+    }
+};
+
+/* x *= a */
+struct scale_op {
+    float *x;
+    float a;
+
+    MFSDP_HD void vec(size_t i) const
+    {
+        float v[8];
+        load8(x + i, v);
+        MFSDP_UNROLL
+        for (int j = 0; j < 8; j++) {
+            v[j] = mul_rn(v[j], a);
+        }
+        store8(x + i, v);
+    }
+    MFSDP_HD void one(size_t i) const
+    {
+        x[i] = mul_rn(x[i], a);
+    }
+};
+
+/* y += a x; x = 0 (HSDP: a replicated contribution moved into the gradient). */
+struct axpy_clear_op {
+    float *y;
+    float *x;
+    float a;
+
+    MFSDP_HD void vec(size_t i) const
+    {
+        float yv[8], xv[8];
+        load8(y + i, yv);
+        load8(x + i, xv);
+        MFSDP_UNROLL
+        for (int j = 0; j < 8; j++) {
+            yv[j] = add_rn(yv[j], mul_rn(xv[j], a));
+            xv[j] = 0.0f;
+        }
+        store8(y + i, yv);
+        store8(x + i, xv);
+    }
+    MFSDP_HD void one(size_t i) const
+    {
+        y[i] = add_rn(y[i], mul_rn(x[i], a));
+        x[i] = 0.0f;
+    }
+};
+
 /* ------------------------------------------------------------------ AdamW */
 
 template <typename D> struct adamw_op {
@@ -347,6 +466,90 @@ extern "C" mfsdp_status_t mfsdp_cuda_adamw_update(mfsdp_cuda_ctx_t *ctx, float *
     default:
         return adamw_launch<__half>(w, m, v, g, w_comm, n, c, ctx->stream);
     }
+}
+
+extern "C" mfsdp_status_t mfsdp_cuda_combine(mfsdp_cuda_ctx_t *ctx, float *pout, const float *pin,
+                                             const void *x, mfsdp_dtype_t dtype, size_t n,
+                                             mfsdp_redop_t op, float scalar)
+{
+    MFSDP_CHECK_ARG(ctx != NULL);
+    MFSDP_CHECK_ARG(pout != NULL);
+    MFSDP_CHECK_ARG(x != NULL);
+    MFSDP_CHECK_ARG(n > 0);
+    MFSDP_CHECK_ARG(op == MFSDP_OP_SUM || op == MFSDP_OP_AVG || op == MFSDP_OP_PREMULSUM);
+    const size_t es = float_dtype_size(dtype);
+    if (es == 0) {
+        MFSDP_WARN("combine: contributions must be float32, bfloat16 or float16, not %s",
+                   mfsdp_dtype_name(dtype));
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    size_t bytes;
+    if (mfsdp_mul_overflow(n, sizeof(float), &bytes)) {
+        MFSDP_WARN("combine of %zu elements overflows size_t", n);
+        return MFSDP_ERR_OVERFLOW;
+    }
+    if (ranges_overlap(pout, bytes, x, n * es) ||
+        (pin != NULL && pin != pout && ranges_overlap(pout, bytes, pin, bytes))) {
+        MFSDP_WARN("combine: the output overlaps an input (other than in place)");
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    const int premul = op == MFSDP_OP_PREMULSUM;
+    switch (dtype) {
+    case MFSDP_FLOAT32:
+        return combine_launch<float>(pout, pin, x, n, premul, scalar, ctx->stream);
+    case MFSDP_BFLOAT16:
+        return combine_launch<__nv_bfloat16>(pout, pin, x, n, premul, scalar, ctx->stream);
+    default:
+        return combine_launch<__half>(pout, pin, x, n, premul, scalar, ctx->stream);
+    }
+}
+
+extern "C" mfsdp_status_t mfsdp_cuda_apply(mfsdp_cuda_ctx_t *ctx, float *grad, const float *s,
+                                           size_t n, mfsdp_redop_t op, int world)
+{
+    MFSDP_CHECK_ARG(ctx != NULL);
+    MFSDP_CHECK_ARG(grad != NULL && s != NULL);
+    MFSDP_CHECK_ARG(n > 0);
+    MFSDP_CHECK_ARG(world >= 1);
+    size_t bytes;
+    if (mfsdp_mul_overflow(n, sizeof(float), &bytes)) {
+        MFSDP_WARN("apply of %zu elements overflows size_t", n);
+        return MFSDP_ERR_OVERFLOW;
+    }
+    if (ranges_overlap(grad, bytes, s, bytes)) {
+        MFSDP_WARN("apply: the gradient overlaps the reduced values");
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    const apply_op a{grad, s, op == MFSDP_OP_AVG, (float)world};
+    return ew_launch(a, n, aligned16(grad) && aligned16(s), ctx->stream, "apply");
+}
+
+extern "C" mfsdp_status_t mfsdp_cuda_scale(mfsdp_cuda_ctx_t *ctx, float *x, size_t n, float a)
+{
+    MFSDP_CHECK_ARG(ctx != NULL);
+    MFSDP_CHECK_ARG(x != NULL);
+    MFSDP_CHECK_ARG(n > 0);
+    const scale_op op{x, a};
+    return ew_launch(op, n, aligned16(x), ctx->stream, "scale");
+}
+
+extern "C" mfsdp_status_t mfsdp_cuda_axpy_clear(mfsdp_cuda_ctx_t *ctx, float *y, float *x, size_t n,
+                                                float a)
+{
+    MFSDP_CHECK_ARG(ctx != NULL);
+    MFSDP_CHECK_ARG(y != NULL && x != NULL);
+    MFSDP_CHECK_ARG(n > 0);
+    size_t bytes;
+    if (mfsdp_mul_overflow(n, sizeof(float), &bytes)) {
+        MFSDP_WARN("axpy_clear of %zu elements overflows size_t", n);
+        return MFSDP_ERR_OVERFLOW;
+    }
+    if (ranges_overlap(y, bytes, x, bytes)) {
+        MFSDP_WARN("axpy_clear: y and x overlap");
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    const axpy_clear_op op{y, x, a};
+    return ew_launch(op, n, aligned16(y) && aligned16(x), ctx->stream, "axpy_clear");
 }
 
 extern "C" size_t mfsdp_cuda_sqnorm_workspace_bytes(void)

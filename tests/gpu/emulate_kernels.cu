@@ -6,7 +6,9 @@
  * kernel sources and runs the very same op code on the host, thread by thread, with the
  * kernels' fixed element-to-thread assignment (for_each_chunk) and, for the reductions, the
  * kernels' fixed tree. It checks the vector (16-byte) and scalar paths against the CPU
- * kernels: casts and the ordered reduction bit for bit, AdamW, the Muon momentum/apply ops,
+ * kernels: casts and the ordered reduction bit for bit, the reduce-pipeline ops of the cuda
+ * executor (combine, apply, scale, axpy_clear) bit for bit against the CPU executor's, AdamW,
+ * the Muon momentum/apply ops,
  * the Newton-Schulz load/normalize ops and the squared norm (alignment-independent bits).
  *
  * What it cannot check: the device itself (intrinsics are replaced by plain IEEE host
@@ -17,6 +19,7 @@
 #include "kernels/cuda/elementwise.cu"
 #include "kernels/cuda/muon.cu"
 #include "kernels/cuda/newton_schulz.cu"
+#include "kernels/executor.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -315,6 +318,92 @@ static void check_muon_ops(size_t n, size_t skew, int nesterov)
     afree(w, skew * 4), afree(wref, 0), afree(wc, skew * 2), afree(cref, 0);
 }
 
+/* The cuda executor's reduce-pipeline ops against the CPU executor (kernels/executor.h). */
+static mfsdp_exec_t *cpu_exec(void)
+{
+    static mfsdp_exec_t *e;
+    if (e == NULL && mfsdp_exec_cpu_create(&e) != MFSDP_OK) {
+        printf("FAIL mfsdp_exec_cpu_create\n");
+        exit(1);
+    }
+    return e;
+}
+
+template <typename S>
+static void check_combine(mfsdp_dtype_t sd, size_t n, mfsdp_redop_t op, int with_pin, int inplace,
+                          size_t skew)
+{
+    mfsdp_exec_t *e = cpu_exec();
+    float *tmp = (float *)amalloc(n * 4, 0), *want = (float *)amalloc(n * 4, 0);
+    float *out = (float *)amalloc(n * 4, skew * 4), *pin = (float *)amalloc(n * 4, skew * 4);
+    float *pin_ref = (float *)amalloc(n * 4, 0);
+    void *x = amalloc(n * sizeof(S), skew * sizeof(S));
+    for (size_t i = 0; i < n; i++) {
+        tmp[i] = 3.0f * rng_normal();
+        pin[i] = pin_ref[i] = rng_normal();
+    }
+    mfsdp_cpu_cast(x, sd, tmp, MFSDP_FLOAT32, n);
+    float *ref_out = inplace ? pin_ref : want, *emu_out = inplace ? pin : out;
+    e->ops->combine(e, ref_out, with_pin ? pin_ref : NULL, x, sd, n, op, 0.37f);
+    const combine_op<S> c{emu_out, with_pin ? pin : NULL, (const S *)x, op == MFSDP_OP_PREMULSUM,
+                          0.37f};
+    const bool vec = aligned16(emu_out) && aligned16(x) && aligned16(pin);
+    emulate_ew(c, n, vec);
+    const bool same = memcmp(emu_out, ref_out, n * 4) == 0;
+    check(same, "emulated combine %s n=%zu op=%d %s%s %s path: bitwise = cpu executor %s",
+          mfsdp_dtype_name(sd), n, (int)op, with_pin ? "pin" : "no pin", inplace ? " in place" : "",
+          vec ? "16-byte" : "scalar", same ? "yes" : "no");
+    afree(tmp, 0), afree(want, 0), afree(out, skew * 4), afree(pin, skew * 4);
+    afree(pin_ref, 0), afree(x, skew * sizeof(S));
+}
+
+static void check_apply_scale_axpy(size_t n, size_t skew)
+{
+    mfsdp_exec_t *e = cpu_exec();
+    float *g[2], *v[2], *x = (float *)amalloc(n * 4, skew * 4);
+    for (int k = 0; k < 2; k++) {
+        g[k] = (float *)amalloc(n * 4, k ? skew * 4 : 0);
+        v[k] = (float *)amalloc(n * 4, k ? skew * 4 : 0);
+    }
+    for (int avg = 0; avg < 2; avg++) {
+        for (size_t i = 0; i < n; i++) {
+            g[0][i] = g[1][i] = rng_normal();
+            x[i] = 2.0f * rng_normal();
+        }
+        mfsdp_redop_t op = avg ? MFSDP_OP_AVG : MFSDP_OP_SUM;
+        e->ops->apply(e, g[0], x, n, op, 3);
+        emulate_ew(apply_op{g[1], x, avg, 3.0f}, n, aligned16(g[1]) && aligned16(x));
+        const bool same = memcmp(g[0], g[1], n * 4) == 0;
+        check(same, "emulated apply n=%zu %s %s path: bitwise = cpu executor %s", n,
+              avg ? "avg/3" : "sum", aligned16(g[1]) ? "16-byte" : "scalar", same ? "yes" : "no");
+    }
+    for (size_t i = 0; i < n; i++) {
+        g[0][i] = g[1][i] = rng_normal();
+    }
+    e->ops->scale(e, g[0], n, 0.37f);
+    emulate_ew(scale_op{g[1], 0.37f}, n, aligned16(g[1]));
+    bool same = memcmp(g[0], g[1], n * 4) == 0;
+    check(same, "emulated scale n=%zu %s path: bitwise = cpu executor %s", n,
+          aligned16(g[1]) ? "16-byte" : "scalar", same ? "yes" : "no");
+    for (size_t i = 0; i < n; i++) {
+        g[0][i] = g[1][i] = rng_normal();
+        v[0][i] = v[1][i] = 3.0f * rng_normal();
+    }
+    e->ops->axpy_clear(e, g[0], v[0], n, 0.3f);
+    emulate_ew(axpy_clear_op{g[1], v[1], 0.3f}, n, aligned16(g[1]) && aligned16(v[1]));
+    size_t nonzero = 0;
+    for (size_t i = 0; i < n; i++) {
+        nonzero += v[1][i] != 0.0f || signbit(v[1][i]);
+    }
+    same = memcmp(g[0], g[1], n * 4) == 0 && memcmp(v[0], v[1], n * 4) == 0 && nonzero == 0;
+    check(same, "emulated axpy_clear n=%zu %s path: y bitwise = cpu executor and x cleared %s", n,
+          aligned16(g[1]) ? "16-byte" : "scalar", same ? "yes" : "no");
+    for (int k = 0; k < 2; k++) {
+        afree(g[k], k ? skew * 4 : 0), afree(v[k], k ? skew * 4 : 0);
+    }
+    afree(x, skew * 4);
+}
+
 static void check_sqnorm(size_t n)
 {
     float *a = (float *)amalloc(n * 4, 0), *b = (float *)amalloc(n * 4, 4);
@@ -346,6 +435,18 @@ int main(void)
         }
     }
     check_reduce<float>(MFSDP_FLOAT32, 1, 1, MFSDP_OP_AVG, 1, 0);
+    for (int op = 0; op < 3; op++) {
+        for (int pin = 0; pin < 2; pin++) {
+            check_combine<float>(MFSDP_FLOAT32, 1003, (mfsdp_redop_t)op, pin, 0, (size_t)pin);
+            check_combine<__nv_bfloat16>(MFSDP_BFLOAT16, 4099, (mfsdp_redop_t)op, pin, pin,
+                                         (size_t)(1 - pin));
+            check_combine<__half>(MFSDP_FLOAT16, 17, (mfsdp_redop_t)op, pin, 0, 0);
+        }
+    }
+    check_combine<float>(MFSDP_FLOAT32, 4096, MFSDP_OP_PREMULSUM, 1, 1, 0);
+    check_apply_scale_axpy(1003, 0);
+    check_apply_scale_axpy(4099, 1);
+    check_apply_scale_axpy(1, 0);
     check_adamw<float>(MFSDP_FLOAT32, 1001, 0);
     check_adamw<__nv_bfloat16>(MFSDP_BFLOAT16, 1001, 1);
     check_adamw<__half>(MFSDP_FLOAT16, 4096, 0);

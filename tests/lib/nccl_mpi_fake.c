@@ -30,6 +30,15 @@
  * - FAKE_NCCL_TRACE=prefix appends one line per collective or P2P call, in issue order, to
  *   the file prefix.<MPI_COMM_WORLD rank>: "kind count dtype op inplace nranks", so tests can
  *   check what a job puts on the wire.
+ * - Non-blocking communicators (ncclConfig_t.blocking = 0 at init or split): init, split, a
+ *   collective or P2P call outside a group and the outermost ncclGroupEnd complete their work
+ *   and return ncclInProgress; ncclCommGetAsyncError then answers ncclInProgress
+ *   FAKE_NCCL_INPROGRESS_POLLS times (default 3; "forever" never finishes, to test timeouts)
+ *   before ncclSuccess. Calling the communicator again before that is ncclInvalidUsage, as
+ *   NCCL requires polling first.
+ * - ncclMemAlloc returns page-aligned host memory; ncclCommRegister hands out a handle per
+ *   registration, ncclCommDeregister accepts only a live handle of that communicator.
+ *   mfsdp_fake_nccl_stats() reports live allocations and registrations (leak checks).
  */
 #include <mpi.h>
 #include <nccl.h>
@@ -59,13 +68,26 @@ typedef struct fake_redop {
     const void *scalar; /* ncclScalarDevice: read when the collective runs */
 } fake_redop_t;
 
+#define FAKE_MAX_REGS 64
+
+typedef struct fake_reg {
+    void *buff;
+    size_t size;
+} fake_reg_t;
+
 struct ncclComm {
     MPI_Comm mpi;
     int rank;
     int nranks;
     ncclUniqueId id;
     fake_redop_t ops[FAKE_MAX_OPS];
+    int nonblocking;
+    long pending; /* ncclCommGetAsyncError answers ncclInProgress this many more times; -1:
+                     forever */
+    fake_reg_t *regs[FAKE_MAX_REGS];
 };
+
+static long live_allocs, live_regs; /* for mfsdp_fake_nccl_stats() */
 
 typedef enum {
     FAKE_ALLGATHER,
@@ -531,6 +553,35 @@ static int ranges_overlap(const void *a, size_t alen, const void *b, size_t blen
     return pa < pb + blen && pb < pa + alen;
 }
 
+/* ---- non-blocking communicators ------------------------------------------------------ */
+
+/* A non-blocking communicator's call just completed: report it as in progress. */
+static ncclResult_t in_progress(ncclComm_t comm, ncclResult_t res)
+{
+    if (res != ncclSuccess || comm == NULL || !comm->nonblocking)
+        return res;
+    const char *e = getenv("FAKE_NCCL_INPROGRESS_POLLS");
+    comm->pending = e == NULL ? 3 : strcmp(e, "forever") == 0 ? -1 : atol(e);
+    return ncclInProgress;
+}
+
+/* NCCL: after ncclInProgress the communicator must be polled until it is done. */
+static ncclResult_t check_ready(ncclComm_t comm, const char *fn)
+{
+    if (comm != NULL && comm->pending != 0) {
+        fake_warn("%s: the communicator's previous call is still in progress (poll "
+                  "ncclCommGetAsyncError until it is not)",
+                  fn);
+        return ncclInvalidUsage;
+    }
+    return ncclSuccess;
+}
+
+static int config_nonblocking(const ncclConfig_t *config)
+{
+    return config != NULL && config->blocking == 0;
+}
+
 /* ---- execution (immediate, or at the outermost group end) ---------------------------- */
 
 /* A scaled copy of send when PreMulSum needs one; *tmp_p is NULL when not needed. */
@@ -794,7 +845,7 @@ static ncclResult_t submit(const fake_call_t *c)
 {
     trace_call(c);
     if (group_depth == 0)
-        return exec_calls(c, 1);
+        return in_progress(c->comm, exec_calls(c, 1));
     if (group_ncalls == group_cap) {
         size_t cap = group_cap ? 2 * group_cap : 16;
         fake_call_t *calls = realloc(group_calls, cap * sizeof(*calls));
@@ -928,7 +979,12 @@ FAKE_EXPORT ncclResult_t pncclCommInitRankConfig(ncclComm_t *comm, int nranks, n
         PMPI_Comm_free(&mpi);
         return res;
     }
-    return comm_wrap(mpi, nranks, rank, &commId, comm);
+    res = comm_wrap(mpi, nranks, rank, &commId, comm);
+    if (res == ncclSuccess && config_nonblocking(config)) {
+        (*comm)->nonblocking = 1;
+        res = in_progress(*comm, res);
+    }
+    return res;
 }
 FAKE_ALIAS(ncclCommInitRankConfig);
 
@@ -943,6 +999,8 @@ FAKE_EXPORT ncclResult_t pncclCommSplit(ncclComm_t comm, int color, int key, ncc
                                         ncclConfig_t *config)
 {
     ncclResult_t res = check_comm(comm, "ncclCommSplit");
+    if (res == ncclSuccess)
+        res = check_ready(comm, "ncclCommSplit");
     if (res != ncclSuccess)
         return res;
     if (newcomm == NULL || (color < 0 && color != NCCL_SPLIT_NOCOLOR)) {
@@ -962,14 +1020,25 @@ FAKE_EXPORT ncclResult_t pncclCommSplit(ncclComm_t comm, int color, int key, ncc
     int size = 0, me = 0;
     MPI_Comm_size(mpi, &size);
     MPI_Comm_rank(mpi, &me);
-    return comm_wrap(mpi, size, me, NULL, newcomm);
+    res = comm_wrap(mpi, size, me, NULL, newcomm);
+    if (res == ncclSuccess && config_nonblocking(config)) {
+        (*newcomm)->nonblocking = 1;
+        res = in_progress(*newcomm, res);
+    }
+    return res;
 }
 FAKE_ALIAS(ncclCommSplit);
 
 static ncclResult_t comm_free(ncclComm_t comm, const char *fn)
 {
     if (comm == NULL)
-        return ncclSuccess; /* NCCL accepts NULL here */
+        return ncclSuccess;                   /* NCCL accepts NULL here */
+    for (int i = 0; i < FAKE_MAX_REGS; i++) { /* NCCL drops what is still registered */
+        if (comm->regs[i] != NULL) {
+            free(comm->regs[i]);
+            __atomic_fetch_sub(&live_regs, 1, __ATOMIC_RELAXED);
+        }
+    }
     ncclResult_t res = mpi_result(PMPI_Comm_free(&comm->mpi), fn);
     free(comm);
     return res;
@@ -998,6 +1067,8 @@ static ncclResult_t comm_query(const ncclComm_t comm, int *out, const char *fn, 
                                int value_if_ok)
 {
     ncclResult_t res = check_comm(comm, fn);
+    if (res == ncclSuccess)
+        res = check_ready(comm, fn);
     if (res == ncclSuccess && out == NULL) {
         fake_warn("%s: %s is NULL", fn, what);
         res = ncclInvalidArgument;
@@ -1033,8 +1104,12 @@ FAKE_EXPORT ncclResult_t pncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *a
         fake_warn("ncclCommGetAsyncError: asyncError is NULL");
         res = ncclInvalidArgument;
     }
-    if (res == ncclSuccess)
-        *asyncError = ncclSuccess; /* every call completes before it returns */
+    if (res == ncclSuccess) {
+        /* Every call completes before it returns; non-blocking ones say so after a while. */
+        *asyncError = comm->pending != 0 ? ncclInProgress : ncclSuccess;
+        if (comm->pending > 0)
+            comm->pending--;
+    }
     return res;
 }
 FAKE_ALIAS(ncclCommGetAsyncError);
@@ -1082,6 +1157,8 @@ FAKE_EXPORT ncclResult_t pncclMemAlloc(void **ptr, size_t size)
         fake_warn("ncclMemAlloc: out of host memory (%zu bytes)", size);
         return ncclSystemError;
     }
+    memset(p, 0xFF, size); /* NCCL does not zero it either (as floats: NaN) */
+    __atomic_fetch_add(&live_allocs, 1, __ATOMIC_RELAXED);
     *ptr = p;
     return ncclSuccess;
 }
@@ -1089,30 +1166,75 @@ FAKE_ALIAS(ncclMemAlloc);
 
 FAKE_EXPORT ncclResult_t pncclMemFree(void *ptr)
 {
+    if (ptr != NULL)
+        __atomic_fetch_sub(&live_allocs, 1, __ATOMIC_RELAXED);
     free(ptr);
     return ncclSuccess;
 }
 FAKE_ALIAS(ncclMemFree);
 
+/* Nothing to register on the host: a handle remembers the range, so that deregistration
+ * can check it. */
 FAKE_EXPORT ncclResult_t pncclCommRegister(const ncclComm_t comm, void *buff, size_t size,
                                            void **handle)
 {
     ncclResult_t res = check_comm(comm, "ncclCommRegister");
-    if (res == ncclSuccess && handle == NULL) {
-        fake_warn("ncclCommRegister: handle is NULL");
+    if (res == ncclSuccess)
+        res = check_ready(comm, "ncclCommRegister");
+    if (res == ncclSuccess && (handle == NULL || buff == NULL || size == 0)) {
+        fake_warn("ncclCommRegister: invalid arguments (buff %p, size %zu, handle %p)", buff, size,
+                  (void *)handle);
         res = ncclInvalidArgument;
     }
-    if (res == ncclSuccess)
-        *handle = buff; /* nothing to register on the host */
-    return res;
+    if (res != ncclSuccess)
+        return res;
+    for (int i = 0; i < FAKE_MAX_REGS; i++) {
+        if (comm->regs[i] != NULL)
+            continue;
+        fake_reg_t *r = malloc(sizeof(*r));
+        if (r == NULL) {
+            fake_warn("out of host memory");
+            return ncclSystemError;
+        }
+        r->buff = buff;
+        r->size = size;
+        comm->regs[i] = r;
+        __atomic_fetch_add(&live_regs, 1, __ATOMIC_RELAXED);
+        *handle = r;
+        return ncclSuccess;
+    }
+    fake_warn("ncclCommRegister: more than %d live registrations", FAKE_MAX_REGS);
+    return ncclInvalidUsage;
 }
 FAKE_ALIAS(ncclCommRegister);
 
 FAKE_EXPORT ncclResult_t pncclCommDeregister(const ncclComm_t comm, void *handle)
 {
-    return check_comm(comm, "ncclCommDeregister");
+    ncclResult_t res = check_comm(comm, "ncclCommDeregister");
+    if (res != ncclSuccess)
+        return res;
+    for (int i = 0; i < FAKE_MAX_REGS; i++) {
+        if (handle != NULL && comm->regs[i] == handle) {
+            free(comm->regs[i]);
+            comm->regs[i] = NULL;
+            __atomic_fetch_sub(&live_regs, 1, __ATOMIC_RELAXED);
+            return ncclSuccess;
+        }
+    }
+    fake_warn("ncclCommDeregister: %p is not a live registration of this communicator", handle);
+    return ncclInvalidArgument;
 }
 FAKE_ALIAS(ncclCommDeregister);
+
+/* Test hook (not an NCCL API): live ncclMemAlloc allocations and registrations. */
+FAKE_EXPORT void mfsdp_fake_nccl_stats(long *allocs, long *regs);
+FAKE_EXPORT void mfsdp_fake_nccl_stats(long *allocs, long *regs)
+{
+    if (allocs != NULL)
+        *allocs = __atomic_load_n(&live_allocs, __ATOMIC_RELAXED);
+    if (regs != NULL)
+        *regs = __atomic_load_n(&live_regs, __ATOMIC_RELAXED);
+}
 
 /* ---- reduction operators -------------------------------------------------------------- */
 
@@ -1170,6 +1292,8 @@ static ncclResult_t enqueue(fake_kind_t kind, const void *send, void *recv, size
                             const char *fn)
 {
     ncclResult_t res = check_comm(comm, fn);
+    if (res == ncclSuccess)
+        res = check_ready(comm, fn);
     if (res == ncclSuccess)
         res = check_dtype(dt, fn);
     if (res == ncclSuccess)
@@ -1293,6 +1417,12 @@ FAKE_EXPORT ncclResult_t pncclGroupEnd(void)
     ncclResult_t res = group_error;
     if (res == ncclSuccess)
         res = exec_calls(group_calls, group_ncalls);
+    /* Non-blocking communicators of the group report the group as in progress. */
+    for (size_t i = 0; i < group_ncalls && (res == ncclSuccess || res == ncclInProgress); i++) {
+        ncclComm_t c = group_calls[i].comm;
+        if (c->nonblocking && c->pending == 0)
+            res = in_progress(c, ncclSuccess);
+    }
     group_ncalls = 0;
     group_error = ncclSuccess;
     free(group_calls);

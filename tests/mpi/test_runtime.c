@@ -16,6 +16,16 @@
  *    by PMPI wrappers defined in this file);
  *  - error statuses and messages (world size, counts, dtypes, group index, op, destroyed
  *    context, eager + clipping) identical on every rank, without hangs.
+ *
+ * Built a second time with -DTEST_TRANSPORT_NCCL (test_runtime_nccl): every context is created
+ * with mfsdp_ctx_create_nccl on communicators of the test NCCL library made from
+ * MPI_COMM_WORLD (HSDP: ncclCommSplit twins, mfsdp_ctx_attach_replicate_nccl), so the same
+ * checks run over the NCCL transport (host memory, CPU executor). The counting wrappers then
+ * count the NCCL calls the runtime makes (this executable exports pnccl* wrappers that the
+ * transport resolves, forwarding to the library), and every MPI call the runtime would make
+ * is a failure: the NCCL path uses no MPI. Arguments: "register" runs with
+ * MFSDP_NCCL_REGISTER=1 (owner arenas from ncclMemAlloc, registered, released at destroy),
+ * "transport-mpi" checks that MFSDP_TRANSPORT=mpi is refused alike on every rank.
  */
 #include <math.h>
 #include <mpi.h>
@@ -32,6 +42,12 @@
 #include "mfsdp/runtime_mpi.h"
 #include "runtime/checkpoint.h"
 #include "tests/lib/ns_ref.h"
+#ifdef TEST_TRANSPORT_NCCL
+#include <dlfcn.h>
+#include <nccl.h>
+
+#include "mfsdp/runtime_nccl.h"
+#endif
 
 static int g_rank, g_world;
 static int g_failures;
@@ -60,6 +76,109 @@ static int g_calls_total;     /* calls that start communication (waits excluded)
 static int g_calls_allreduce; /* MPI_Allreduce calls */
 static int g_calls_wait;      /* MPI_Wait* calls: their number depends on timing */
 
+#ifdef TEST_TRANSPORT_NCCL
+/* Over NCCL the runtime makes no MPI call at all (its own traffic: the test library uses
+ * PMPI, this file too): every MPI call is counted here, and the communication calls counted
+ * below are NCCL's. */
+static int g_mpi_calls;
+
+static void count_mpi(void)
+{
+    g_mpi_calls++;
+}
+
+static void count(int is_allreduce)
+{
+    if (g_counting) {
+        g_calls_total++;
+        g_calls_allreduce += is_allreduce;
+    }
+}
+
+#define count(is_allreduce)  count_mpi()
+#define count_wait()         count_mpi()
+#define count_nccl(is_allre) (count)(is_allre)
+
+/* The transport resolves pncclX in the global scope: these exported definitions come first
+ * (the build hides symbols by default: export them), and forward to the test library's. */
+#define TEST_EXPORT __attribute__((visibility("default")))
+#define NEXT(fn)                                                                                   \
+    static __typeof__(&fn) next_;                                                                  \
+    if (next_ == NULL) {                                                                           \
+        next_ = (__typeof__(&fn))dlsym(RTLD_NEXT, #fn);                                            \
+    }
+TEST_EXPORT ncclResult_t pncclAllReduce(const void *s, void *r, size_t c, ncclDataType_t d,
+                                        ncclRedOp_t o, ncclComm_t comm, cudaStream_t st)
+{
+    NEXT(pncclAllReduce);
+    count_nccl(1);
+    return next_(s, r, c, d, o, comm, st);
+}
+TEST_EXPORT ncclResult_t pncclAllGather(const void *s, void *r, size_t c, ncclDataType_t d,
+                                        ncclComm_t comm, cudaStream_t st)
+{
+    NEXT(pncclAllGather);
+    count_nccl(0);
+    return next_(s, r, c, d, comm, st);
+}
+TEST_EXPORT ncclResult_t pncclReduceScatter(const void *s, void *r, size_t c, ncclDataType_t d,
+                                            ncclRedOp_t o, ncclComm_t comm, cudaStream_t st)
+{
+    NEXT(pncclReduceScatter);
+    count_nccl(0);
+    return next_(s, r, c, d, o, comm, st);
+}
+TEST_EXPORT ncclResult_t pncclBroadcast(const void *s, void *r, size_t c, ncclDataType_t d,
+                                        int root, ncclComm_t comm, cudaStream_t st)
+{
+    NEXT(pncclBroadcast);
+    count_nccl(0);
+    return next_(s, r, c, d, root, comm, st);
+}
+TEST_EXPORT ncclResult_t pncclReduce(const void *s, void *r, size_t c, ncclDataType_t d,
+                                     ncclRedOp_t o, int root, ncclComm_t comm, cudaStream_t st)
+{
+    NEXT(pncclReduce);
+    count_nccl(0);
+    return next_(s, r, c, d, o, root, comm, st);
+}
+TEST_EXPORT ncclResult_t pncclSend(const void *b, size_t c, ncclDataType_t d, int peer,
+                                   ncclComm_t comm, cudaStream_t st)
+{
+    NEXT(pncclSend);
+    count_nccl(0);
+    return next_(b, c, d, peer, comm, st);
+}
+TEST_EXPORT ncclResult_t pncclRecv(void *b, size_t c, ncclDataType_t d, int peer, ncclComm_t comm,
+                                   cudaStream_t st)
+{
+    NEXT(pncclRecv);
+    count_nccl(0);
+    return next_(b, c, d, peer, comm, st);
+}
+
+void mfsdp_fake_nccl_stats(long *allocs, long *regs);
+static int g_register; /* MFSDP_NCCL_REGISTER=1 in this run */
+static ncclComm_t g_ncomm;
+
+static ncclComm_t nccl_world(int nonblocking)
+{
+    ncclUniqueId id;
+    if (g_rank == 0) {
+        ncclGetUniqueId(&id);
+    }
+    PMPI_Bcast(&id, (int)sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = nonblocking ? 0 : 1;
+    ncclComm_t c = NULL;
+    ncclResult_t r = ncclCommInitRankConfig(&c, g_world, id, g_rank, &cfg);
+    if (r != ncclSuccess && !(nonblocking && r == ncclInProgress)) {
+        fprintf(stderr, "[rank %d] ncclCommInitRankConfig: %s\n", g_rank, ncclGetErrorString(r));
+        PMPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    return c; /* a non-blocking one is still initializing: the context waits for it */
+}
+#else
 static void count(int is_allreduce)
 {
     if (g_counting) {
@@ -74,6 +193,7 @@ static void count_wait(void)
         g_calls_wait++;
     }
 }
+#endif
 
 int MPI_Allreduce(const void *s, void *r, int c, MPI_Datatype d, MPI_Op o, MPI_Comm comm)
 {
@@ -379,6 +499,22 @@ static void *initial_weights(const mfsdp_param_desc_t *p, uint64_t seed, size_t 
 /* ---------------------------------------------------------------------------------------
  * Context helpers
  */
+
+/* A context over the whole world: on MPI_COMM_WORLD, or on the NCCL world communicator. */
+static mfsdp_status_t create_world(const mfsdp_manifest_t *m, const mfsdp_ctx_opts_t *o,
+                                   mfsdp_ctx_h *ctx_p)
+{
+#ifdef TEST_TRANSPORT_NCCL
+    mfsdp_status_t st = mfsdp_ctx_create_nccl(m, o, g_ncomm, ctx_p);
+    if (st == MFSDP_OK) {
+        st = mfsdp_ctx_set_stream(*ctx_p, NULL); /* the job's stream: host memory ignores it */
+    }
+    return st;
+#else
+    return mfsdp_ctx_create_mpi(m, o, MPI_COMM_WORLD, ctx_p);
+#endif
+}
+
 static mfsdp_ctx_h make_ctx(const mfsdp_manifest_t *m, mfsdp_tail_policy_t tail, mfsdp_algo_t ga,
                             mfsdp_algo_t ra, mfsdp_step_mode_t mode, int accum, double clip)
 {
@@ -395,7 +531,7 @@ static mfsdp_ctx_h make_ctx(const mfsdp_manifest_t *m, mfsdp_tail_policy_t tail,
     o.has_clip = 1;
     o.clip = clip;
     mfsdp_ctx_h ctx = NULL;
-    mfsdp_status_t st = mfsdp_ctx_create_mpi(m, &o, MPI_COMM_WORLD, &ctx);
+    mfsdp_status_t st = create_world(m, &o, &ctx);
     CHECK(st == MFSDP_OK, "ctx create: %s", mfsdp_status_string(st));
     return st == MFSDP_OK ? ctx : NULL;
 }
@@ -1271,7 +1407,7 @@ static void test_errors(void)
     m->world_size = g_world + 1;
     mfsdp_ctx_h ctx = NULL;
     capture_begin();
-    st = mfsdp_ctx_create_mpi(m, NULL, MPI_COMM_WORLD, &ctx);
+    st = create_world(m, NULL, &ctx);
     log = capture_end();
     expect_status(st, MFSDP_ERR_MISMATCH, log, "communicator has", "world size mismatch");
     CHECK(ctx == NULL, "ctx written on failure");
@@ -1285,12 +1421,24 @@ static void test_errors(void)
     o.step_mode = MFSDP_STEP_EAGER;
     o.has_clip = 1;
     o.clip = 1.0;
-    st = mfsdp_ctx_create_mpi(m, &o, MPI_COMM_WORLD, &ctx);
+    st = create_world(m, &o, &ctx);
     log = capture_end();
     expect_status(st, MFSDP_ERR_INVALID_ARG, log, "lazy", "eager + clip");
 
+    /* A failure on one rank only (its options; they are not part of the settings compared
+     * first) fails every rank alike: the outcome of creation is agreed. */
+    memset(&o, 0, sizeof(o));
+    o.chain_chunk = g_rank == 0 ? 2 : 0;
+    capture_begin();
+    st = create_world(m, &o, &ctx);
+    log = capture_end();
+    expect_status(st, MFSDP_ERR_INVALID_ARG, log,
+                  g_rank == 0 ? "chain chunk of 2 bytes" : "failed on another rank",
+                  "one rank's failure agreed");
+    CHECK(ctx == NULL, "ctx written on failure");
+
     /* Defaults come from the environment (set in main before the first call). */
-    st = mfsdp_ctx_create_mpi(m, NULL, MPI_COMM_WORLD, &ctx);
+    st = create_world(m, NULL, &ctx);
     CHECK(st == MFSDP_OK, "create with defaults: %s", mfsdp_status_string(st));
     if (st == MFSDP_OK) {
         mfsdp_ctx_stats_t s;
@@ -1406,18 +1554,44 @@ static void test_hsdp(uint64_t seed, mfsdp_tail_policy_t tail, int drop)
     o.accum_steps = 1;
     o.has_clip = 1;
     mfsdp_ctx_h ctx = NULL;
+#ifdef TEST_TRANSPORT_NCCL
+    /* the same mesh as ncclCommSplit twins of the NCCL world communicator */
+    ncclComm_t nsc = NULL, nrc = NULL;
+    ncclCommSplit(g_ncomm, grank / shard, grank, &nsc, NULL);
+    ncclCommSplit(g_ncomm, grank % shard, grank, &nrc, NULL);
+    mfsdp_status_t st = mfsdp_ctx_create_nccl(m, &o, nsc, &ctx);
+    CHECK(st == MFSDP_OK, "%s: create: %s", what, mfsdp_status_string(st));
+    if (st == MFSDP_OK) {
+        st = mfsdp_ctx_attach_replicate_nccl(ctx, nrc);
+        CHECK(st == MFSDP_OK, "%s: attach: %s", what, mfsdp_status_string(st));
+    }
+    if (st == MFSDP_OK) {
+        /* a second attach is refused, as over MPI */
+        setenv("MFSDP_DEBUG", "NONE", 1);
+        mfsdp_log_reinit();
+        mfsdp_status_t again = mfsdp_ctx_attach_replicate_nccl(ctx, nrc);
+        setenv("MFSDP_DEBUG", "WARN", 1);
+        mfsdp_log_reinit();
+        CHECK(again == MFSDP_ERR_STATE, "%s: second attach: %s", what, mfsdp_status_string(again));
+    }
+#else
     mfsdp_status_t st = mfsdp_ctx_create_mpi(m, &o, sc, &ctx);
     CHECK(st == MFSDP_OK, "%s: create: %s", what, mfsdp_status_string(st));
     if (st == MFSDP_OK) {
         st = mfsdp_ctx_attach_replicate_mpi(ctx, rc);
         CHECK(st == MFSDP_OK, "%s: attach: %s", what, mfsdp_status_string(st));
     }
+#endif
     if (st != MFSDP_OK) {
         mfsdp_ctx_destroy(&ctx);
         free_weights(m, &W);
         manifest_free(m);
         PMPI_Comm_free(&sc);
         PMPI_Comm_free(&rc);
+#ifdef TEST_TRANSPORT_NCCL
+        ncclCommDestroy(nsc);
+        ncclCommDestroy(nrc);
+#endif
         return;
     }
     /* The FSDP layout helpers work at the shard group's size. */
@@ -1557,7 +1731,48 @@ static void test_hsdp(uint64_t seed, mfsdp_tail_policy_t tail, int drop)
     manifest_free(m);
     PMPI_Comm_free(&sc);
     PMPI_Comm_free(&rc);
+#ifdef TEST_TRANSPORT_NCCL
+    ncclCommDestroy(nsc); /* borrowed by the context: freed after it */
+    ncclCommDestroy(nrc);
+#endif
 }
+
+#ifdef TEST_TRANSPORT_NCCL
+/* MFSDP_TRANSPORT=mpi asks for the MPI transport: refused alike on every rank. */
+static void test_transport_mpi(void)
+{
+    mfsdp_manifest_t *m = random_manifest(9);
+    mfsdp_ctx_h ctx = NULL;
+    capture_begin();
+    mfsdp_status_t st = create_world(m, NULL, &ctx);
+    const char *log = capture_end();
+    expect_status(st, MFSDP_ERR_CONFIG, log, "MFSDP_TRANSPORT=mpi", "MFSDP_TRANSPORT=mpi");
+    CHECK(ctx == NULL, "ctx written on failure");
+    manifest_free(m);
+}
+
+/* MFSDP_NCCL_REGISTER=1: one arena from ncclMemAlloc, registered once, both released at
+ * destroy (the training above ran on such arenas: ncclMemAlloc's memory is not zeroed, the
+ * context zeroes it). */
+static void test_registration(void)
+{
+    long a0 = 0, r0 = 0, a1 = 0, r1 = 0;
+    mfsdp_fake_nccl_stats(&a0, &r0);
+    mfsdp_manifest_t *m = random_manifest(11);
+    mfsdp_ctx_h ctx =
+        make_ctx(m, MFSDP_TAIL_SHARD, MFSDP_ALGO_DIRECT, MFSDP_ALGO_CHAIN, MFSDP_STEP_LAZY, 1, 0.0);
+    mfsdp_fake_nccl_stats(&a1, &r1);
+    CHECK(a1 == a0 + 1 && r1 == r0 + 1, "live allocations %ld -> %ld, registrations %ld -> %ld", a0,
+          a1, r0, r1);
+    mfsdp_ctx_destroy(&ctx);
+    mfsdp_fake_nccl_stats(&a1, &r1);
+    CHECK(a1 == a0 && r1 == r0, "after destroy: %ld allocations, %ld registrations left", a1 - a0,
+          r1 - r0);
+    CHECK(a0 == 0 && r0 == 0, "leaks from earlier contexts: %ld allocations, %ld registrations", a0,
+          r0);
+    manifest_free(m);
+}
+#endif
 
 int main(int argc, char **argv)
 {
@@ -1567,7 +1782,45 @@ int main(int argc, char **argv)
     setenv("MFSDP_MLOCK", "0", 0);
     setenv("MFSDP_GATHER_ALGO", "chain", 1);
     setenv("MFSDP_REDUCE_ALGO", "native", 1);
-    int nseeds = argc > 1 ? atoi(argv[1]) : 5;
+    const char *mode = argc > 1 && (argv[1][0] < '0' || argv[1][0] > '9') ? argv[1] : "";
+    int nseeds = argc > 1 && mode[0] == '\0' ? atoi(argv[1]) : 5;
+#ifdef TEST_TRANSPORT_NCCL
+    if (strcmp(mode, "register") == 0) {
+        /* registered arenas, on a non-blocking communicator (every call polled) */
+        setenv("MFSDP_NCCL_REGISTER", "1", 1);
+        g_register = 1;
+    } else if (strcmp(mode, "transport-mpi") == 0) {
+        setenv("MFSDP_TRANSPORT", "mpi", 1);
+    } else if (mode[0] != '\0') {
+        fprintf(stderr, "usage: test_runtime_nccl [NSEEDS | register | transport-mpi]\n");
+        PMPI_Abort(MPI_COMM_WORLD, 2);
+    }
+    g_ncomm = nccl_world(g_register);
+    if (strcmp(mode, "transport-mpi") == 0) {
+        test_transport_mpi();
+        goto done;
+    }
+    if (g_register) {
+        test_allgather(1000);
+        test_reduce(2000);
+        static const train_cfg_t reg_cfgs[] = {
+            {MFSDP_TAIL_SHARD, MFSDP_ALGO_CHAIN, MFSDP_ALGO_CHAIN, MFSDP_STEP_LAZY, 2, 0.5,
+             MFSDP_OP_SUM, 0, 0, 0.0, 0},
+            {MFSDP_TAIL_OWNER, MFSDP_ALGO_NATIVE, MFSDP_ALGO_DIRECT, MFSDP_STEP_EAGER, 1, 0.0,
+             MFSDP_OP_AVG, 1, 0, 0.0, 0},
+        };
+        test_train(3100, &reg_cfgs[0]);
+        test_train(3101, &reg_cfgs[1]);
+        test_hsdp(4001, MFSDP_TAIL_SHARD, 1);
+        test_registration();
+        goto done;
+    }
+#else
+    if (mode[0] != '\0') {
+        fprintf(stderr, "usage: test_runtime [NSEEDS]\n");
+        PMPI_Abort(MPI_COMM_WORLD, 2);
+    }
+#endif
 
     test_errors();
     for (int s = 0; s < nseeds; s++) {
@@ -1622,6 +1875,11 @@ int main(int argc, char **argv)
     test_hsdp(4001, MFSDP_TAIL_SHARD, 1);
     test_hsdp(4002, MFSDP_TAIL_JOB, 1);
 
+#ifdef TEST_TRANSPORT_NCCL
+done:
+    CHECK(g_mpi_calls == 0, "the NCCL path made %d MPI calls", g_mpi_calls);
+    ncclCommDestroy(g_ncomm);
+#endif
     int total = 0;
     PMPI_Allreduce(&g_failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     if (g_rank == 0) {

@@ -4,8 +4,10 @@
  * references computed on double copies of the same inputs: every collective in and out of
  * place, every builtin op and PreMulSum (host-immediate and device-residence scalars), the
  * dtypes the jobs use, groups (deferred execution, nesting, P2P rings and all-to-all that
- * would deadlock without group semantics, P2P mixed with collectives), ncclCommSplit, two
- * communicators, the pnccl* entry points, and error statuses and messages. Run under mpirun
+ * would deadlock without group semantics, P2P mixed with collectives, several mixed groups
+ * in a row), ncclCommSplit, two communicators, non-blocking communicators (ncclInProgress,
+ * polling), ncclMemAlloc and registration, the pnccl* entry points, and error statuses and
+ * messages. Run under mpirun
  * at any number of ranks; prints "#wrong N" per check and exits non-zero when any is wrong.
  */
 #include <mpi.h>
@@ -418,6 +420,144 @@ static long check_group_mixed(ncclComm_t comm)
     return wrong;
 }
 
+/* Several groups in a row, each mixing broadcast, reduce, reduce-scatter and a send/recv
+ * ring with a different root: what the NCCL transport issues, one group per wave. */
+static long check_groups_in_row(ncclComm_t comm)
+{
+    size_t n = 257;
+    int next = (rank + 1) % nranks, prev = (rank + nranks - 1) % nranks;
+    long wrong = 0;
+    float *bc = tmalloc(n * sizeof(float)), *rd_s = tmalloc(n * sizeof(float));
+    float *rd_r = tmalloc(n * sizeof(float)), *rs_s = tmalloc(n * (size_t)nranks * sizeof(float));
+    float *rs_r = tmalloc(n * sizeof(float));
+    float *s1 = tmalloc(n * sizeof(float)), *r1 = tmalloc(n * sizeof(float));
+    for (int g = 0; g < 3; g++) {
+        int root = g % nranks;
+        for (size_t i = 0; i < n; i++) {
+            bc[i] = rank == root ? (float)(g * 1000 + (int)i) : -1.0f;
+            rd_s[i] = (float)(rank + g + (int)i);
+            rd_r[i] = -1.0f;
+            s1[i] = (float)(rank * 7 + g + (int)i);
+        }
+        for (size_t i = 0; i < n * (size_t)nranks; i++)
+            rs_s[i] = (float)((int)i % 11 + rank + g);
+        NCCL_OK(ncclGroupStart());
+        NCCL_OK(ncclSend(s1, n, ncclFloat32, next, comm, NULL));
+        NCCL_OK(ncclBroadcast(bc, bc, n, ncclFloat32, root, comm, NULL));
+        NCCL_OK(ncclReduce(rd_s, rank == root ? rd_r : NULL, n, ncclFloat32, ncclSum, root, comm,
+                           NULL));
+        NCCL_OK(ncclReduceScatter(rs_s, rs_r, n, ncclFloat32, ncclSum, comm, NULL));
+        NCCL_OK(ncclRecv(r1, n, ncclFloat32, prev, comm, NULL));
+        NCCL_OK(ncclGroupEnd());
+        for (size_t i = 0; i < n; i++) {
+            float sum_rd = 0.0f, sum_rs = 0.0f;
+            for (int q = 0; q < nranks; q++) {
+                sum_rd += (float)(q + g + (int)i);
+                sum_rs += (float)((int)((size_t)rank * n + i) % 11 + q + g);
+            }
+            wrong += bc[i] != (float)(g * 1000 + (int)i);
+            wrong += rank == root && rd_r[i] != sum_rd;
+            wrong += rank != root && rd_r[i] != -1.0f;
+            wrong += rs_r[i] != sum_rs;
+            wrong += r1[i] != (float)(prev * 7 + g + (int)i);
+        }
+    }
+    free(bc), free(rd_s), free(rd_r), free(rs_s), free(rs_r), free(s1), free(r1);
+    return wrong;
+}
+
+/* Poll a non-blocking communicator until its call is done; the number of polls it took. */
+static int poll_done(ncclComm_t comm, long *wrong)
+{
+    int polls = 0;
+    ncclResult_t a = ncclInProgress;
+    while (a == ncclInProgress && polls < 1000) {
+        NCCL_OK(ncclCommGetAsyncError(comm, &a));
+        polls++;
+    }
+    *wrong += a != ncclSuccess;
+    return polls;
+}
+
+/* ncclConfig_t.blocking = 0: init, split, a lone collective and a group end return
+ * ncclInProgress; the communicator refuses calls until polled done. */
+static long check_nonblocking(ncclComm_t comm)
+{
+    long wrong = 0;
+    setenv("FAKE_NCCL_INPROGRESS_POLLS", "2", 1);
+    ncclUniqueId id;
+    if (rank == 0)
+        NCCL_OK(ncclGetUniqueId(&id));
+    MPI_Bcast(&id, (int)sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    ncclComm_t nb;
+    wrong += ncclCommInitRankConfig(&nb, nranks, id, rank, &cfg) != ncclInProgress;
+    int count = 0;
+    wrong += ncclCommCount(nb, &count) != ncclInvalidUsage;
+    wrong += strstr(ncclGetLastError(NULL), "still in progress") == NULL;
+    wrong += poll_done(nb, &wrong) != 3;
+    NCCL_OK(ncclCommCount(nb, &count));
+    wrong += count != nranks;
+    int32_t x = rank + 1, sum = 0;
+    wrong += ncclAllReduce(&x, &sum, 1, ncclInt32, ncclSum, nb, NULL) != ncclInProgress;
+    wrong += ncclAllReduce(&x, &sum, 1, ncclInt32, ncclSum, nb, NULL) != ncclInvalidUsage;
+    poll_done(nb, &wrong);
+    wrong += sum != nranks * (nranks + 1) / 2;
+    int next = (rank + 1) % nranks, prev = (rank + nranks - 1) % nranks;
+    int32_t got = -1, all[64];
+    NCCL_OK(ncclGroupStart());
+    wrong += ncclSend(&x, 1, ncclInt32, next, nb, NULL) != ncclSuccess;
+    wrong += ncclRecv(&got, 1, ncclInt32, prev, nb, NULL) != ncclSuccess;
+    wrong += ncclAllGather(&x, all, 1, ncclInt32, nb, NULL) != ncclSuccess;
+    wrong += ncclGroupEnd() != ncclInProgress;
+    poll_done(nb, &wrong);
+    wrong += got != prev + 1;
+    for (int q = 0; q < nranks; q++)
+        wrong += all[q] != q + 1;
+    ncclComm_t half;
+    wrong += ncclCommSplit(nb, rank % 2, rank, &half, &cfg) != ncclInProgress;
+    poll_done(half, &wrong);
+    NCCL_OK(ncclAllReduce(&x, &sum, 1, ncclInt32, ncclSum, comm, NULL)); /* blocking one */
+    wrong += ncclAllReduce(&x, &sum, 1, ncclInt32, ncclSum, half, NULL) != ncclInProgress;
+    poll_done(half, &wrong);
+    int32_t want = 0;
+    for (int q = rank % 2; q < nranks; q += 2)
+        want += q + 1;
+    wrong += sum != want;
+    NCCL_OK(ncclCommDestroy(half));
+    NCCL_OK(ncclCommDestroy(nb));
+    unsetenv("FAKE_NCCL_INPROGRESS_POLLS");
+    return wrong;
+}
+
+void mfsdp_fake_nccl_stats(long *allocs, long *regs);
+
+/* ncclMemAlloc / ncclCommRegister on host memory: live handles, checked deregistration. */
+static long check_register(ncclComm_t comm)
+{
+    long wrong = 0, a0, r0, a1, r1;
+    mfsdp_fake_nccl_stats(&a0, &r0);
+    void *p = NULL, *h = NULL, *h2 = NULL;
+    NCCL_OK(ncclMemAlloc(&p, 1000));
+    wrong += p == NULL || ((uintptr_t)p & 4095) != 0;
+    NCCL_OK(ncclCommRegister(comm, p, 1000, &h));
+    NCCL_OK(ncclCommRegister(comm, p, 500, &h2));
+    wrong += h == NULL || h == h2;
+    mfsdp_fake_nccl_stats(&a1, &r1);
+    wrong += a1 != a0 + 1 || r1 != r0 + 2;
+    wrong += ncclCommDeregister(comm, (void *)&wrong) != ncclInvalidArgument;
+    wrong += strstr(ncclGetLastError(NULL), "not a live registration") == NULL;
+    NCCL_OK(ncclCommDeregister(comm, h));
+    wrong += ncclCommDeregister(comm, h) != ncclInvalidArgument;
+    NCCL_OK(ncclCommDeregister(comm, h2));
+    wrong += ncclCommRegister(comm, p, 0, &h) != ncclInvalidArgument;
+    NCCL_OK(ncclMemFree(p));
+    mfsdp_fake_nccl_stats(&a1, &r1);
+    wrong += a1 != a0 || r1 != r0;
+    return wrong;
+}
+
 /* ---- communicators, entry points, errors ---------------------------------------------- */
 
 static long check_comm_queries(ncclComm_t comm)
@@ -562,6 +702,9 @@ int main(int argc, char **argv)
     }
     report("group: send/recv ring, nested all-to-all", check_group_ring_alltoall(comm));
     report("group: allreduce+allgather+premulsum(device scalar)+p2p", check_group_mixed(comm));
+    report("groups in a row: bcast+reduce+reduce_scatter+p2p", check_groups_in_row(comm));
+    report("non-blocking init/split/collectives/groups", check_nonblocking(comm));
+    report("ncclMemAlloc, ncclCommRegister/Deregister", check_register(comm));
     report("comm queries, pnccl aliases", check_comm_queries(comm));
     report("commSplit, NOCOLOR, second comm (InitRankConfig)", check_split_and_second_comm(comm));
     report("error statuses and messages", check_errors(comm));

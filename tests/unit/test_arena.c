@@ -1,7 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Owner arenas: layout accounting by category (hand-computed on a small plan), allocation
- * (zeroed, aligned, page-locked or a clean fallback), and the peak bound on the Llama-3-8B
+ * (zeroed, aligned, page-locked or a clean fallback), device arenas through allocator and
+ * registration callbacks (their accounting, registration once, errors), and the peak bound
+ * on the Llama-3-8B
  * manifest planned at 64 ranks: max per-rank arena bytes <= 1.1 x (total / n + largest
  * tensor), computed from the plan without MPI.
  */
@@ -106,8 +108,8 @@ Test(arena, layout_by_category)
         cr_assert_eq(mfsdp_arena_layout(plan, r, slots, &s), MFSDP_OK);
         size_t tot = 0;
         for (int c = 0; c < MFSDP_ARENA_NCAT; c++) {
-            cr_expect_eq(s.cat[c], want[r][c], "rank %d %s: %zu != %zu", r,
-                         mfsdp_arena_cat_name(c), s.cat[c], want[r][c]);
+            cr_expect_eq(s.cat[c], want[r][c], "rank %d %s: %zu != %zu", r, mfsdp_arena_cat_name(c),
+                         s.cat[c], want[r][c]);
             tot += want[r][c];
         }
         cr_expect_eq(s.total, tot);
@@ -269,8 +271,8 @@ static void llama_bound(mfsdp_tail_policy_t tail, const char *name)
            "tensor %.3f GiB, bound %.3f GiB, peak/bound %.3f\n",
            n, name, peak / 1073741824.0, peak_rank, total / n / 1073741824.0,
            largest / 1073741824.0, bound / 1073741824.0, peak / bound);
-    cr_expect_leq(peak, bound, "tail %s: peak %.0f > 1.1 x (total/n + largest) = %.0f", name,
-                  peak, bound);
+    cr_expect_leq(peak, bound, "tail %s: peak %.0f > 1.1 x (total/n + largest) = %.0f", name, peak,
+                  bound);
     free(slots);
     mfsdp_plan_destroy(plan);
     mfsdp_manifest_free(m);
@@ -289,4 +291,179 @@ Test(arena, llama3_8b_64_ranks_shard)
 Test(arena, llama3_8b_64_ranks_auto)
 {
     llama_bound(MFSDP_TAIL_AUTO, "auto");
+}
+
+/* ---- device arenas: memory and registration through callbacks (host memory here, standing
+ * in for cudaMalloc / ncclMemAlloc + ncclCommRegister, which need a GPU) ---- */
+
+typedef struct fake_dev {
+    int allocs, frees, regs, deregs;
+    size_t bytes;
+    void *ptr, *handle;
+    mfsdp_status_t fail_alloc, fail_reg, fail_dereg;
+} fake_dev_t;
+
+static mfsdp_status_t fd_alloc(void *arg, size_t bytes, void **ptr_p)
+{
+    fake_dev_t *f = arg;
+    if (f->fail_alloc != MFSDP_OK) {
+        return f->fail_alloc;
+    }
+    f->allocs++;
+    f->bytes = bytes;
+    f->ptr = calloc(1, bytes);
+    *ptr_p = f->ptr;
+    return f->ptr != NULL ? MFSDP_OK : MFSDP_ERR_NO_MEMORY;
+}
+
+static void fd_free(void *arg, void *ptr)
+{
+    fake_dev_t *f = arg;
+    cr_expect_eq(ptr, f->ptr, "freed a pointer the allocator did not return");
+    cr_expect_eq(f->regs, f->deregs, "freed while still registered");
+    f->frees++;
+    free(ptr);
+}
+
+static mfsdp_status_t fd_reg(void *arg, void *ptr, size_t bytes, void **handle_p)
+{
+    fake_dev_t *f = arg;
+    if (f->allocs == 0) { /* a host arena: the mapping is not ours to know in advance */
+        f->ptr = ptr;
+        f->bytes = bytes;
+    }
+    cr_expect_eq(ptr, f->ptr);
+    cr_expect_eq(bytes, f->bytes, "registered %zu bytes of %zu", bytes, f->bytes);
+    if (f->fail_reg != MFSDP_OK) {
+        return f->fail_reg;
+    }
+    f->regs++;
+    f->handle = &f->handle;
+    *handle_p = f->handle;
+    return MFSDP_OK;
+}
+
+static mfsdp_status_t fd_dereg(void *arg, void *handle)
+{
+    fake_dev_t *f = arg;
+    cr_expect_eq(handle, f->handle);
+    f->deregs++;
+    return f->fail_dereg;
+}
+
+static mfsdp_arena_sizes_t some_sizes(void)
+{
+    mfsdp_arena_sizes_t s;
+    memset(&s, 0, sizeof(s));
+    s.cat[MFSDP_ARENA_MASTER] = 1000;
+    s.cat[MFSDP_ARENA_COMM] = 500;
+    s.cat[MFSDP_ARENA_GRAD] = 1000;
+    s.total = 2500;
+    return s;
+}
+
+/* One allocation of the host layout's size, zeroed, registered once, then deregistered and
+ * freed at destroy; the accounting is the host arena's. */
+Test(arena, device_kind_accounting_and_registration)
+{
+    mfsdp_arena_sizes_t s = some_sizes();
+    fake_dev_t f = {0};
+    mfsdp_arena_opts_t o = {.mlock = 1,
+                            .numa_bind = 1,
+                            .kind = MFSDP_ARENA_DEVICE,
+                            .mem = {&f, fd_alloc, fd_free, fd_reg, fd_dereg}};
+    mfsdp_arena_t *a = NULL, *h = NULL;
+    cr_assert_eq(mfsdp_arena_create(&s, 3000, &o, &a), MFSDP_OK);
+    mfsdp_arena_opts_t ho = {.mlock = 0, .numa_bind = 0};
+    cr_assert_eq(mfsdp_arena_create(&s, 3000, &ho, &h), MFSDP_OK);
+    cr_expect_eq(f.allocs, 1);
+    cr_expect_eq(f.regs, 1);
+    cr_expect_eq(mfsdp_arena_kind(a), MFSDP_ARENA_DEVICE);
+    cr_expect_eq(mfsdp_arena_kind(h), MFSDP_ARENA_HOST);
+    cr_expect_eq(mfsdp_arena_registered(a), 1);
+    cr_expect_eq(mfsdp_arena_registered(h), 0);
+    cr_expect_eq(mfsdp_arena_locked(a), 0, "device memory is never mlocked");
+    cr_expect_eq(mfsdp_arena_numa_node(a), -1);
+    cr_expect_eq(mfsdp_arena_peak_bytes(a), mfsdp_arena_peak_bytes(h));
+    cr_expect_eq(f.bytes, mfsdp_arena_peak_bytes(a));
+    mfsdp_arena_sizes_t ga, gh;
+    mfsdp_arena_sizes(a, &ga);
+    mfsdp_arena_sizes(h, &gh);
+    cr_expect_eq(memcmp(&ga, &gh, sizeof(ga)), 0, "per-category accounting differs");
+    for (int c = 0; c < MFSDP_ARENA_NCAT; c++) {
+        unsigned char *pa = mfsdp_arena_base(a, c), *ph = mfsdp_arena_base(h, c);
+        cr_expect_eq(pa == NULL, ph == NULL);
+        if (pa != NULL) {
+            cr_expect_eq(pa - (unsigned char *)f.ptr,
+                         ph - (unsigned char *)mfsdp_arena_base(h, MFSDP_ARENA_MASTER));
+            cr_expect_eq((uintptr_t)(pa - (unsigned char *)f.ptr) % MFSDP_ARENA_ALIGN, 0);
+        }
+    }
+    unsigned char *sc = mfsdp_arena_scratch(a);
+    cr_assert_not_null(sc);
+    cr_expect_leq(sc + 3000, (unsigned char *)f.ptr + f.bytes);
+    mfsdp_arena_destroy(a);
+    mfsdp_arena_destroy(h);
+    cr_expect_eq(f.deregs, 1);
+    cr_expect_eq(f.frees, 1);
+}
+
+/* A host arena can be registered too (the test NCCL library works on host memory). */
+Test(arena, host_kind_registered)
+{
+    mfsdp_arena_sizes_t s = some_sizes();
+    fake_dev_t f = {0};
+    mfsdp_arena_opts_t o = {
+        .mlock = 0, .kind = MFSDP_ARENA_HOST, .mem = {&f, NULL, NULL, fd_reg, fd_dereg}};
+    mfsdp_arena_t *a = NULL;
+    cr_assert_eq(mfsdp_arena_create(&s, 0, &o, &a), MFSDP_OK);
+    cr_expect_eq(mfsdp_arena_registered(a), 1);
+    cr_expect_eq(f.regs, 1);
+    cr_expect_eq(f.ptr, mfsdp_arena_base(a, MFSDP_ARENA_MASTER), "not the whole arena");
+    cr_expect_eq(f.bytes, mfsdp_arena_peak_bytes(a));
+    mfsdp_arena_destroy(a);
+    cr_expect_eq(f.deregs, 1);
+}
+
+static void arena_quiet(void)
+{
+    cr_redirect_stderr();
+}
+
+/* Failures: allocation and registration fail the creation with their status, free what was
+ * taken and say what failed; a failed deregistration at destroy is reported, the memory is
+ * still freed; incomplete callback sets are refused. */
+Test(arena, device_kind_errors, .init = arena_quiet)
+{
+    mfsdp_arena_sizes_t s = some_sizes();
+    fake_dev_t f = {0};
+    mfsdp_arena_opts_t o = {.kind = MFSDP_ARENA_DEVICE,
+                            .mem = {&f, fd_alloc, fd_free, fd_reg, fd_dereg}};
+    mfsdp_arena_t *a = NULL;
+    f.fail_alloc = MFSDP_ERR_NO_MEMORY;
+    cr_expect_eq(mfsdp_arena_create(&s, 0, &o, &a), MFSDP_ERR_NO_MEMORY);
+    cr_expect_null(a);
+    f.fail_alloc = MFSDP_OK;
+    f.fail_reg = MFSDP_ERR_TRANSPORT;
+    cr_expect_eq(mfsdp_arena_create(&s, 0, &o, &a), MFSDP_ERR_TRANSPORT);
+    cr_expect_null(a);
+    cr_expect_eq(f.allocs, 1);
+    cr_expect_eq(f.frees, 1, "memory of a failed registration not freed");
+    cr_expect_eq(f.deregs, 0, "deregistered what was never registered");
+    f.fail_reg = MFSDP_OK;
+    f.fail_dereg = MFSDP_ERR_TRANSPORT;
+    cr_assert_eq(mfsdp_arena_create(&s, 0, &o, &a), MFSDP_OK);
+    mfsdp_arena_destroy(a);
+    cr_expect_eq(f.deregs, 1);
+    cr_expect_eq(f.frees, 2);
+    o.mem.alloc = NULL;
+    cr_expect_eq(mfsdp_arena_create(&s, 0, &o, &a), MFSDP_ERR_INVALID_ARG);
+    o.mem.alloc = fd_alloc;
+    o.mem.dereg = NULL;
+    cr_expect_eq(mfsdp_arena_create(&s, 0, &o, &a), MFSDP_ERR_INVALID_ARG);
+    o.mem.dereg = fd_dereg;
+    o.kind = (mfsdp_arena_kind_t)7;
+    cr_expect_eq(mfsdp_arena_create(&s, 0, &o, &a), MFSDP_ERR_INVALID_ARG);
+    fflush(stderr);
+    cr_expect_stderr_neq_str(""); /* the failures were explained */
 }

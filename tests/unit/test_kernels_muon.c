@@ -165,13 +165,13 @@ ParameterizedTest(muon_case_t *p, kernels_muon, matches_float64)
         /* W's error relative to the weights' scale before or after the step: an update can
          * cancel a tiny matrix (1x1: w - lr * sign(w)) to almost nothing, which makes a plain
          * relative error of W measure the cancellation, not the kernel. */
-        double num = 0.0, nb = 0.0, na = 0.0;
+        double num = 0.0, nwb = 0.0, na = 0.0;
         for (size_t i = 0; i < n; i++) {
             num += ((double)w[i] - rw[i]) * ((double)w[i] - rw[i]);
             na += rw[i] * rw[i];
-            nb += w_before[i] * w_before[i];
+            nwb += w_before[i] * w_before[i];
         }
-        const double err_w = isfinite(num) ? sqrt(num / fmax(fmax(na, nb), 1e-300)) : INFINITY;
+        const double err_w = isfinite(num) ? sqrt(num / fmax(fmax(na, nwb), 1e-300)) : INFINITY;
         const double err_m = rel_err(mom, rm, n);
         const double err_d = rel_err(dgot, delta, n);
         fprintf(stderr, "[%s] step %d: rel err W %.3g update %.3g momentum %.3g\n", what, step,
