@@ -48,24 +48,7 @@
 #include "runtime/checkpoint.h"
 #include "tests/lib/ckpt_util.h"
 
-static int g_rank, g_world;
-static int g_failures;
-
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            g_failures++;                                                                          \
-            fprintf(stderr, "[rank %d] FAIL %s:%d: %s: ", g_rank, __FILE__, __LINE__, #cond);      \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fprintf(stderr, "\n");                                                                 \
-        }                                                                                          \
-    } while (0)
-
-#define CHECK_OK(call)                                                                             \
-    do {                                                                                           \
-        mfsdp_status_t _s = (call);                                                                \
-        CHECK(_s == MFSDP_OK, "%s returned %s", #call, mfsdp_status_string(_s));                   \
-    } while (0)
+#include "tests/lib/mpi_check.h"
 
 static double now(void)
 {

@@ -49,24 +49,7 @@
 #include "mfsdp/runtime_nccl.h"
 #endif
 
-static int g_rank, g_world;
-static int g_failures;
-
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            g_failures++;                                                                          \
-            fprintf(stderr, "[rank %d] FAIL %s:%d: %s: ", g_rank, __FILE__, __LINE__, #cond);      \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fprintf(stderr, "\n");                                                                 \
-        }                                                                                          \
-    } while (0)
-
-#define CHECK_OK(call)                                                                             \
-    do {                                                                                           \
-        mfsdp_status_t _s = (call);                                                                \
-        CHECK(_s == MFSDP_OK, "%s returned %s", #call, mfsdp_status_string(_s));                   \
-    } while (0)
+#include "tests/lib/mpi_check.h"
 
 /* ---------------------------------------------------------------------------------------
  * PMPI wrappers: count MPI calls while g_counting is set.
@@ -1356,34 +1339,6 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
 /* ---------------------------------------------------------------------------------------
  * 4. Errors: same status on every rank, clear messages, no hang
  */
-static char g_captured[65536];
-
-/* Run fn with stderr redirected to a file; the text lands in g_captured. */
-static int capture_fd = -1, saved_fd = -1;
-static void capture_begin(void)
-{
-    char path[64];
-    snprintf(path, sizeof(path), "/tmp/mfsdp-test-runtime-%d-%d.log", (int)getpid(), g_rank);
-    fflush(stderr);
-    FILE *f = fopen(path, "w+");
-    unlink(path);
-    capture_fd = dup(fileno(f));
-    fclose(f);
-    saved_fd = dup(2);
-    dup2(capture_fd, 2);
-}
-static const char *capture_end(void)
-{
-    fflush(stderr);
-    dup2(saved_fd, 2);
-    close(saved_fd);
-    lseek(capture_fd, 0, SEEK_SET);
-    ssize_t n = read(capture_fd, g_captured, sizeof(g_captured) - 1);
-    g_captured[n > 0 ? n : 0] = '\0';
-    close(capture_fd);
-    return g_captured;
-}
-
 static void expect_status(mfsdp_status_t got, mfsdp_status_t want, const char *log,
                           const char *needle, const char *what)
 {

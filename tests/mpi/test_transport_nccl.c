@@ -33,54 +33,7 @@
 #include "mfsdp/kernels.h"
 #include "transport/nccl.h"
 
-static int g_rank, g_world, g_failures;
-
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            g_failures++;                                                                          \
-            fprintf(stderr, "[rank %d] FAIL %s:%d: %s: ", g_rank, __FILE__, __LINE__, #cond);      \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fprintf(stderr, "\n");                                                                 \
-        }                                                                                          \
-    } while (0)
-
-#define CHECK_OK(call)                                                                             \
-    do {                                                                                           \
-        mfsdp_status_t _s = (call);                                                                \
-        CHECK(_s == MFSDP_OK, "%s returned %s", #call, mfsdp_status_string(_s));                   \
-    } while (0)
-
-/* ---------------------------------------------------------------------------------------
- * Log capture (stderr to a file)
- */
-static char g_log[65536];
-static int cap_fd = -1, saved_fd = -1;
-
-static void capture_begin(void)
-{
-    char path[96];
-    snprintf(path, sizeof(path), "/tmp/mfsdp-test-transport-nccl-%d-%d.log", (int)getpid(), g_rank);
-    fflush(stderr);
-    FILE *f = fopen(path, "w+");
-    unlink(path);
-    cap_fd = dup(fileno(f));
-    fclose(f);
-    saved_fd = dup(2);
-    dup2(cap_fd, 2);
-}
-
-static const char *capture_end(void)
-{
-    fflush(stderr);
-    dup2(saved_fd, 2);
-    close(saved_fd);
-    lseek(cap_fd, 0, SEEK_SET);
-    ssize_t n = read(cap_fd, g_log, sizeof(g_log) - 1);
-    g_log[n > 0 ? n : 0] = '\0';
-    close(cap_fd);
-    return g_log;
-}
+#include "tests/lib/mpi_check.h"
 
 /* The same status on every rank, and the log names what failed. */
 static void expect(mfsdp_status_t got, mfsdp_status_t want, const char *log, const char *needle,
