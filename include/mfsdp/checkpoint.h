@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /**
  * @file checkpoint.h
- * @brief Owner checkpoints in safetensors (DESIGN.md section 8): save and resume a runtime
+ * @brief Owner checkpoints in safetensors (docs/checkpoints.md): save and resume a runtime
  *        context at any world size, and offline conversions.
  *
  * A checkpoint root DIR holds one directory per checkpoint, DIR/step-SSSSSSSS, and

@@ -2,7 +2,7 @@
 /**
  * @file kernels.h
  * @brief The companion kernel library: Muon (Newton-Schulz), AdamW, fixed-order
- *        reductions, casts, strided packing and norms (DESIGN.md section 5).
+ *        reductions, casts, strided packing and norms (docs/design.md, "The optimizer step").
  *
  * Two implementations behind one interface: `mfsdp_cpu_*` (C + OpenBLAS, single-threaded
  * per rank) and `mfsdp_cuda_*` (cuBLAS bf16 GEMM with fp32 accumulation, on a caller-given
@@ -94,7 +94,7 @@ MFSDP_API mfsdp_status_t mfsdp_cpu_newton_schulz_split(float *x, int64_t m, int6
                                                        int steps, float *ws, size_t ws_elems);
 
 /**
- * @brief One Muon step on an owned matrix (DESIGN.md section 5):
+ * @brief One Muon step on an owned matrix (docs/design.md, "The optimizer step"):
  *        M = beta M + (1-beta) G; U = nesterov ? (1-beta) G + beta M : M;
  *        U = NS(U) (per row block if split) * scale; W = W (1 - lr wd) - lr U;
  *        then w_comm = cast(W) when @p w_comm is not NULL.
@@ -163,7 +163,7 @@ MFSDP_API uint16_t mfsdp_f32_to_f16(float x);
 MFSDP_API float mfsdp_f16_to_f32(uint16_t h);
 
 /**
- * @brief Geometry of one parameter inside an FSDP rank-major buffer (DESIGN.md section 3),
+ * @brief Geometry of one parameter inside an FSDP rank-major buffer (docs/design.md, "FSDP2's byte layout"),
  *        in bytes, so that mixed-dtype (uint8) groups use the same code.
  */
 typedef struct mfsdp_strided_geom {

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /**
  * @file kernels_cuda.h
- * @brief CUDA implementation of the kernel library (DESIGN.md section 5): the operations of
+ * @brief CUDA implementation of the kernel library (docs/design.md, "The optimizer step"): the operations of
  *        mfsdp/kernels.h with the prefix `mfsdp_cuda_`, on device memory.
  *
  * Every operation is enqueued on the stream of a context (::mfsdp_cuda_ctx_t) and returns

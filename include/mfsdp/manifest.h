@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /**
  * @file manifest.h
- * @brief The `mfsdp-manifest/1` JSON contract (DESIGN.md section 4).
+ * @brief The `mfsdp-manifest/1` JSON contract (docs/design.md, "Owners").
  *
  * A manifest describes the FSDP param groups of a job (params in FSDP order, shapes,
  * dtypes, which have a gradient), the optimizer hyper-parameters and, optionally, one
@@ -72,7 +72,7 @@ typedef struct mfsdp_schedule {
     double min_lr_ratio; /**< m in [0, 1] */
 } mfsdp_schedule_t;
 
-/** Optimizer hyper-parameters (DESIGN.md section 5); defaults by mfsdp_hparams_default(). */
+/** Optimizer hyper-parameters (docs/design.md, "The optimizer step"); defaults by mfsdp_hparams_default(). */
 typedef struct mfsdp_hparams {
     double lr;                 /**< Muon learning rate (0.02) */
     double momentum;           /**< Muon beta (0.95) */
@@ -148,7 +148,7 @@ typedef struct mfsdp_manifest {
     mfsdp_call_t *sequence;
 } mfsdp_manifest_t;
 
-/** @brief Fill @p hp with the defaults of DESIGN.md section 5. */
+/** @brief Fill @p hp with the defaults of docs/design.md, "The optimizer step". */
 MFSDP_API void mfsdp_hparams_default(mfsdp_hparams_t *hp);
 
 /** @brief Fill @p t with the defaults of docs/manifest.md ("training"). */

@@ -2,7 +2,7 @@
 /**
  * @file runtime.h
  * @brief The mfsdp runtime: owner-broadcast all-gather, reduce-to-owner, owner-side
- *        optimizer step (DESIGN.md sections 3-7).
+ *        optimizer step (docs/design.md).
  *
  * A context binds a manifest and its owner plan to a communicator. It keeps, on every
  * rank, one owner arena (fp32 master weights, comm-dtype copies, fp32 gradient
@@ -10,7 +10,7 @@
  * its slices of sharded-tail tensors. FSDP's collectives map onto it:
  *
  *  - mfsdp_ctx_allgather() replaces `AllGather(send, recv, S, dtype)` of one param group:
- *    it fills FSDP's rank-major buffer (DESIGN.md section 3) from the owners, padding rows
+ *    it fills FSDP's rank-major buffer (docs/design.md, "FSDP2's byte layout") from the owners, padding rows
  *    zeroed. The first call of a group also takes the initial weights from @p sendbuf
  *    (each rank's FSDP shard), so the job's own initialization is kept.
  *  - mfsdp_ctx_reduce() replaces `ReduceScatter(send, recv, S', dtype, op)`: every owner
@@ -130,7 +130,7 @@ typedef struct mfsdp_ctx_stats {
  * @brief Owner-broadcast all-gather of one param group into FSDP's rank-major layout.
  *
  * Equivalent to `AllGather(sendbuf, recvbuf, count, dtype)` of FSDP even shards of the
- * current weights (DESIGN.md section 3): recvbuf[r*S + o_i, +s_i) holds rows
+ * current weights (docs/design.md, "FSDP2's byte layout"): recvbuf[r*S + o_i, +s_i) holds rows
  * [r*c_i, (r+1)*c_i) of param i and zero for rows >= N0_i. In a lazy context, the pending
  * optimizer steps run first, once every group that has gradients has completed its
  * accumulation window (so the backward pass's re-gathers do not trigger them; with

@@ -3,7 +3,7 @@
  * @file runtime_nccl.h
  * @brief Creating an mfsdp runtime context over an NCCL communicator (the NCCL backend).
  *
- * The NCCL path needs no MPI (DESIGN.md section 2): owner collectives run on the job's own
+ * The NCCL path needs no MPI (docs/design.md, "Layers"): owner collectives run on the job's own
  * communicator through the loaded library's `pnccl*` functions (resolved at run time: no
  * link-time dependency on libnccl), on the stream set with mfsdp_ctx_set_stream(). The
  * memory the communicator's buffers live in decides the rest:

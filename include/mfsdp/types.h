@@ -56,7 +56,7 @@ typedef enum mfsdp_scale {
     MFSDP_SCALE_MOONLIGHT = 1, /**< 0.2 * sqrt(max(m, k)) */
 } mfsdp_scale_t;
 
-/** Owner-segment collective algorithm (DESIGN.md section 4). */
+/** Owner-segment collective algorithm (docs/design.md, "Owners"). */
 typedef enum mfsdp_algo {
     MFSDP_ALGO_AUTO = 0,   /**< chosen from measurements and world size */
     MFSDP_ALGO_DIRECT = 1, /**< point-to-point to/from the owner, fixed-order sum */
@@ -73,7 +73,7 @@ typedef enum mfsdp_step_mode {
     MFSDP_STEP_MANUAL = 2,
 } mfsdp_step_mode_t;
 
-/** Categories of owner-arena memory (DESIGN.md section 7). */
+/** Categories of owner-arena memory (docs/design.md). */
 typedef enum mfsdp_arena_cat {
     MFSDP_ARENA_MASTER = 0,   /**< fp32 master weights */
     MFSDP_ARENA_COMM = 1,     /**< communication-dtype copy of the weights */

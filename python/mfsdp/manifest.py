@@ -20,7 +20,7 @@ import re
 import sys
 
 FORMAT = "mfsdp-manifest/1"
-# DESIGN.md section 4: names that are AdamW tensors even when 2-D.
+# docs/design.md, "Owners": names that are AdamW tensors even when 2-D.
 TAIL_NAME_RE = re.compile(r"embed|lm_head|wte|wpe")
 # Extra params for the job's optimizer (regular expression searched in the param's FQN).
 ADAMW_ENV = "MFSDP_PY_ADAMW"
