@@ -5,9 +5,10 @@
  * / ncclRedOpDestroy (to learn PreMulSum scalars), ncclGroupStart / ncclGroupEnd /
  * ncclGroupSimulateEnd (the calling thread's group depth) and ncclCommFinalize / Destroy /
  * Abort (to flush and forget a communicator's state while it still works). Real functions
- * are the library's exported pncclX names (or the next definition of ncclX), resolved once
- * with dlsym(RTLD_NEXT): no link-time dependency on libnccl. This is the one file that
- * converts mfsdp statuses into ncclResult_t.
+ * are the library's exported pncclX names (or a definition of ncclX other than ours), resolved
+ * once with mfsdp_nccl_sym, which also finds a libnccl loaded with RTLD_LOCAL (PyTorch's pip
+ * wheels): no link-time dependency on libnccl. This is the one file that converts mfsdp
+ * statuses into ncclResult_t.
  *
  * A communicator is registered at its first intercepted call (size and rank from the real
  * ncclCommCount / ncclCommUserRank), so communicators made any way (ncclCommInitRank*,
@@ -21,19 +22,17 @@
  * before the local work that follows it): such a call stops the job with one error. Calls
  * that pass through are forwarded inside the group as they are.
  */
-#include <dlfcn.h>
 #include <nccl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 
-#include "core/log.h"
 #include "ld_preload/nccl_ops.h"
 #include "ld_preload/shim.h"
 #include "mfsdp/kernels.h"
+#include "transport/nccl.h"
 
 #define SHIM_EXPORT __attribute__((visibility("default")))
 
@@ -71,10 +70,12 @@ static struct {
 
 static pthread_once_t real_once = PTHREAD_ONCE_INIT;
 
+/* pncclX, else an ncclX that is not this library's own: in the global scope or, as PyTorch's
+ * pip wheels load libnccl (RTLD_LOCAL), in the loaded object that holds it. */
 static void *resolve(const char *pname, const char *name)
 {
-    void *f = dlsym(RTLD_NEXT, pname);
-    return f != NULL ? f : dlsym(RTLD_NEXT, name);
+    void *f = mfsdp_nccl_sym(pname, 0); /* never ours: the shim defines no pncclX */
+    return f != NULL ? f : mfsdp_nccl_sym(name, 1);
 }
 
 static void resolve_all(void)

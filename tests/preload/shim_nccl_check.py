@@ -9,6 +9,8 @@
   stream           shim_nccl_job.c stream under mpirun (--replicate R: HSDP): every NCCL call
                    a remapped call makes is on that call's stream (the test NCCL library
                    records the stream argument); the first all-gather returns FSDP's layout.
+                   With --loader, the job is a library loaded with RTLD_LOCAL, so the NCCL
+                   library is in no global scope (as PyTorch's wheels load libnccl).
   group, group-ar  shim_nccl_job.c: a call the shim would remap (an all-gather; HSDP's
                    replicate all-reduce) inside a group the job opened stops the job with ONE
                    error line (under HSDP one per shard group, identical) and a non-zero
@@ -93,9 +95,10 @@ def job(args, tmp, mode, extra_env=None):
     manifest = os.path.join(tmp, "manifest.json")
     env = dict(os.environ, FAKE_NCCL_TRACE=os.path.join(tmp, "trace"))
     env.update(extra_env or {})
+    exe = [args.loader, args.job_lib] if args.loader else [args.job]
     cmd = [args.mpirun, "-np", str(args.np)] + MPIRUN_FLAGS + [
         "-x", f"LD_PRELOAD={args.preload}", "-x", f"MFSDP_MANIFEST={manifest}",
-        "-x", "FAKE_NCCL_TRACE", args.job, mode, manifest, str(args.replicate)]
+        "-x", "FAKE_NCCL_TRACE"] + exe + [mode, manifest, str(args.replicate)]
     return run(cmd, env, mode)
 
 
@@ -123,6 +126,8 @@ def cmd_stream(args):
     if proc.returncode != 0 or "shim_nccl_job: checks passed" not in proc.stdout:
         sys.stdout.write(proc.stdout[-4000:])
         fail(f"the stream checks failed at {args.np} ranks, replicate {args.replicate}")
+    if args.loader and "loaded RTLD_LOCAL only" not in proc.stdout:
+        fail("the job library was not run through the RTLD_LOCAL loader")
     if "mfsdp: error" in proc.stdout:
         fail("an error line in a run that must succeed")
     m = re.search(r"mfsdp: summary: (\d+) all-gathers, (\d+) reduce-scatters and (\d+) "
@@ -188,6 +193,8 @@ def main():
     ap.add_argument("--map-mpi", help="libmfsdp_preload_mpi.map (libs)")
     ap.add_argument("--mpirun")
     ap.add_argument("--job", help="shim_nccl_job")
+    ap.add_argument("--loader", help="shim_nccl_local: run --job-lib loaded with RTLD_LOCAL")
+    ap.add_argument("--job-lib", help="libshim_nccl_job.so")
     ap.add_argument("--nompi", help="shim_nccl_nompi")
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--replicate", type=int, default=1)

@@ -18,12 +18,21 @@
  *                 ncclGroupSimulateEnd closes a group (a remapped call after it succeeds);
  *                 then an all-gather the shim would remap, inside a group, is refused.
  *   group-ar R    HSDP (R replicas): the replicate all-reduce inside a group is refused.
+ * Built twice: this program, and a library (SHIM_NCCL_JOB_LIBRARY) that shim_nccl_local.c
+ * loads with RTLD_LOCAL.
  * Prints "ok: ..." per check and "shim_nccl_job: checks passed" at the end; exits 2 when a
  * check fails. In the group modes the refusal stops the job: the shim makes it exit non-zero
  * (the checker expects that, with one error line).
  */
 #include <mpi.h>
 #include <nccl.h>
+
+#ifdef SHIM_NCCL_JOB_LIBRARY
+/* Also built as a library that shim_nccl_local.c loads with RTLD_LOCAL, so that the test NCCL
+ * library it needs is in no global scope: PyTorch's pip wheels load libnccl that way. */
+__attribute__((visibility("default"))) int shim_nccl_job_main(int argc, char **argv);
+#define main shim_nccl_job_main
+#endif
 
 #include <stdarg.h>
 #include <stdint.h>
