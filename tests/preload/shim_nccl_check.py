@@ -16,12 +16,15 @@
                    error line (under HSDP one per shard group, identical) and a non-zero
                    exit, after the job's own checks passed (a call that passes through works
                    inside a group; ncclGroupSimulateEnd ends one).
+  group-pass       the same job under a shim that remaps nothing (no manifest; MFSDP_RECORD):
+                   the grouped calls pass through, counted and recorded.
   nompi MODE       shim_nccl_nompi.c in a process without MPI, over an NCCL that lacks most of
                    the API: one error line naming what is missing (api: a pncclX the NCCL
                    transport needs, the exit status non-zero; count: ncclCommCount failed;
                    forward: ncclCommFinalize).
 """
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -91,15 +94,17 @@ def run(cmd, env, what):
     return proc
 
 
-def job(args, tmp, mode, extra_env=None):
+def job(args, tmp, mode, shim_env=None):
+    """The job under the shim; shim_env: its MFSDP_* variables (default: the manifest)."""
     manifest = os.path.join(tmp, "manifest.json")
     env = dict(os.environ, FAKE_NCCL_TRACE=os.path.join(tmp, "trace"))
-    env.update(extra_env or {})
+    shim_env = {"MFSDP_MANIFEST": manifest} if shim_env is None else shim_env
     exe = [args.loader, args.job_lib] if args.loader else [args.job]
     cmd = [args.mpirun, "-np", str(args.np)] + MPIRUN_FLAGS + [
-        "-x", f"LD_PRELOAD={args.preload}", "-x", f"MFSDP_MANIFEST={manifest}",
-        "-x", "FAKE_NCCL_TRACE"] + exe + [mode, manifest, str(args.replicate)]
-    return run(cmd, env, mode)
+        "-x", f"LD_PRELOAD={args.preload}", "-x", "FAKE_NCCL_TRACE"]
+    for k, v in shim_env.items():
+        cmd += ["-x", f"{k}={v}"]
+    return run(cmd + exe + [mode, manifest, str(args.replicate)], env, mode)
 
 
 def one_error(proc, needles, what, copies=1):
@@ -158,6 +163,33 @@ def cmd_group(args):
     print("PASS")
 
 
+def cmd_group_pass(args):
+    """Under a shim that remaps nothing (no manifest; MFSDP_RECORD), calls inside a group pass
+    through, counted (and recorded)."""
+    with tempfile.TemporaryDirectory(prefix="mfsdp-nccl-") as tmp:
+        record = os.path.join(tmp, "record.json")
+        for what, env in [("no manifest", {}), ("MFSDP_RECORD", {"MFSDP_RECORD": record})]:
+            proc = job(args, tmp, "group-pass", env)
+            sys.stdout.write("\n".join(ln for ln in proc.stdout.splitlines()
+                                       if ln.startswith(("ok:", "FAIL", "shim_nccl_job"))) + "\n")
+            if (proc.returncode != 0 or "shim_nccl_job: checks passed" not in proc.stdout
+                    or "mfsdp: error" in proc.stdout):
+                sys.stdout.write(proc.stdout[-4000:])
+                fail(f"{what}: the job failed")
+            # rank 0: 3 all-gathers on the world communicator, 1 on its own (one in a group each)
+            if not re.search(r"remapped on 0 communicators, 4 calls passed through", proc.stdout):
+                sys.stdout.write(proc.stdout[-2000:])
+                fail(f"{what}: the summary does not count 4 calls passed through")
+            print(f"ok: {what}: every call passed through, the grouped ones too (4 on rank 0)")
+        with open(record) as f:
+            rec = json.load(f)
+        sizes = sorted((c["size"], len(c["calls"])) for c in rec["comms"])
+        if sizes != [(1, 1), (args.np, 3)]:
+            fail(f"the record holds (size, calls) {sizes}, want [(1, 1), ({args.np}, 3)]")
+        print(f"ok: MFSDP_RECORD recorded the grouped calls too: (size, calls) {sizes}")
+    print("PASS")
+
+
 def cmd_nompi(args):
     env = dict(os.environ, LD_PRELOAD=args.preload)
     for k in [k for k in env if k.startswith("MFSDP_")]:
@@ -185,7 +217,8 @@ def cmd_nompi(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("command", choices=["libs", "stream", "group", "group-ar", "nompi"])
+    ap.add_argument("command", choices=["libs", "stream", "group", "group-ar", "group-pass",
+                                        "nompi"])
     ap.add_argument("mode", nargs="?", choices=["api", "count", "forward"])
     ap.add_argument("--preload", required=True, help="libmfsdp_preload.so")
     ap.add_argument("--preload-mpi", help="libmfsdp_preload_mpi.so (libs)")
@@ -205,6 +238,8 @@ def main():
         cmd_stream(args)
     elif args.command in ("group", "group-ar"):
         cmd_group(args)
+    elif args.command == "group-pass":
+        cmd_group_pass(args)
     else:
         cmd_nompi(args)
 

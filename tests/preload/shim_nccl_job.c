@@ -17,6 +17,8 @@
  *                 communicator of another size than the manifest's) works inside the group;
  *                 ncclGroupSimulateEnd closes a group (a remapped call after it succeeds);
  *                 then an all-gather the shim would remap, inside a group, is refused.
+ *   group-pass    the same under a shim that remaps nothing (no manifest, or MFSDP_RECORD):
+ *                 the last all-gather inside a group passes through and is exact.
  *   group-ar R    HSDP (R replicas): the replicate all-reduce inside a group is refused.
  * Built twice: this program, and a library (SHIM_NCCL_JOB_LIBRARY) that shim_nccl_local.c
  * loads with RTLD_LOCAL.
@@ -153,9 +155,10 @@ static void nccl_ok(ncclResult_t r, const char *what)
 
 /* FSDP's in-place all-gather of the group on comm (shard size s, rank r): this rank's shard
  * of the initial weights in its block, the others poisoned; returns the mismatches against
- * the initial weights in every block when exact, else the non-finite values. */
-static long allgather(float *buf, int S, int cw, int cb, int s, int r, ncclComm_t comm,
-                      unsigned long long stream, int exact)
+ * the initial weights in every block when exact, else the non-finite values. grouped: inside
+ * a group of its own (*rc_p: the all-gather's status; the group's end runs it). */
+static long allgather_in(float *buf, int S, int cw, int cb, int s, int r, ncclComm_t comm,
+                         unsigned long long stream, int exact, int grouped, ncclResult_t *rc_p)
 {
     for (int i = 0; i < s * S; i++) {
         buf[i] = -12345.0f;
@@ -171,8 +174,22 @@ static long allgather(float *buf, int S, int cw, int cb, int s, int r, ncclComm_
         int row = r * cb + i;
         mine[cw * W_COLS + i] = row < B_ROWS ? weight(1, row, 0) : 0.0f;
     }
-    nccl_ok(ncclAllGather(mine, buf, (size_t)S, ncclFloat32, comm, (cudaStream_t)(uintptr_t)stream),
-            "ncclAllGather");
+    if (grouped) {
+        nccl_ok(ncclGroupStart(), "ncclGroupStart");
+    }
+    ncclResult_t rc =
+        ncclAllGather(mine, buf, (size_t)S, ncclFloat32, comm, (cudaStream_t)(uintptr_t)stream);
+    if (grouped) {
+        ncclGroupEnd();
+    }
+    if (rc_p != NULL) {
+        *rc_p = rc;
+        if (rc != ncclSuccess) {
+            return 0;
+        }
+    } else {
+        nccl_ok(rc, "ncclAllGather");
+    }
     long bad = 0;
     for (int q = 0; q < s; q++) {
         const float *blk = buf + (size_t)q * (size_t)S;
@@ -188,6 +205,12 @@ static long allgather(float *buf, int S, int cw, int cb, int s, int r, ncclComm_
     return bad;
 }
 
+static long allgather(float *buf, int S, int cw, int cb, int s, int r, ncclComm_t comm,
+                      unsigned long long stream, int exact)
+{
+    return allgather_in(buf, S, cw, cb, s, r, comm, stream, exact, 0, NULL);
+}
+
 int main(int argc, char **argv)
 {
     MPI_Init(&argc, &argv);
@@ -196,12 +219,12 @@ int main(int argc, char **argv)
     const char *mode = argc >= 3 ? argv[1] : "";
     int R = argc >= 4 ? atoi(argv[3]) : 1;
     const char *prefix = getenv("FAKE_NCCL_TRACE");
-    if ((strcmp(mode, "stream") != 0 && strcmp(mode, "group") != 0 &&
-         strcmp(mode, "group-ar") != 0) ||
-        R < 1 || world % R != 0 || prefix == NULL) {
+    int group_mode = strcmp(mode, "group") == 0 || strcmp(mode, "group-pass") == 0;
+    if ((strcmp(mode, "stream") != 0 && !group_mode && strcmp(mode, "group-ar") != 0) || R < 1 ||
+        world % R != 0 || prefix == NULL) {
         if (rank == 0) {
-            fprintf(stderr, "usage: FAKE_NCCL_TRACE=PREFIX shim_nccl_job stream|group|group-ar "
-                            "MANIFEST [REPLICAS]\n");
+            fprintf(stderr, "usage: FAKE_NCCL_TRACE=PREFIX shim_nccl_job "
+                            "stream|group|group-pass|group-ar MANIFEST [REPLICAS]\n");
         }
         MPI_Finalize();
         return 2;
@@ -273,7 +296,7 @@ int main(int argc, char **argv)
             fail("pass-through all-reduce: sum %d, want %d", (int)sum, world * (world - 1) / 2);
         }
         check_stream("pass-through all-reduce", 0x1004, 0);
-    } else if (strcmp(mode, "group") == 0) {
+    } else if (group_mode) {
         /* A communicator of one rank: not the manifest's size, so its calls pass through, and
          * inside a group they run at the group's end as NCCL says. */
         ncclComm_t solo;
@@ -297,18 +320,24 @@ int main(int argc, char **argv)
         if (bad != 0) {
             fail("all-gather after ncclGroupSimulateEnd: %ld elements differ", bad);
         } else {
-            printf("ok: rank %d: ncclGroupSimulateEnd closed the group: the next all-gather was "
-                   "remapped\n",
+            printf("ok: rank %d: ncclGroupSimulateEnd closed the group: the next all-gather "
+                   "ran at depth 0\n",
                    rank);
         }
-        nccl_ok(ncclGroupStart(), "ncclGroupStart");
-        ncclResult_t rc =
-            ncclAllGather(buf + (size_t)r * (size_t)S, buf, (size_t)S, ncclFloat32, shard, NULL);
-        ncclGroupEnd();
-        refused = rc != ncclSuccess;
-        printf("%s: rank %d: an all-gather the shim would remap, inside a group: %s\n",
-               refused ? "ok" : "FAIL", rank, ncclGetErrorString(rc));
-        wrong += !refused;
+        ncclResult_t rc = ncclSuccess;
+        bad = allgather_in(buf, S, cw, cb, s, r, shard, 0, 1, 1, &rc);
+        if (strcmp(mode, "group") == 0) {
+            refused = rc != ncclSuccess;
+            printf("%s: rank %d: an all-gather the shim would remap, inside a group: %s\n",
+                   refused ? "ok" : "FAIL", rank, ncclGetErrorString(rc));
+            wrong += !refused;
+        } else if (rc != ncclSuccess || bad != 0) {
+            fail("with nothing to remap, an all-gather inside a group: %s, %ld elements differ",
+                 ncclGetErrorString(rc), bad);
+        } else {
+            printf("ok: rank %d: with nothing to remap, an all-gather inside a group passes\n",
+                   rank);
+        }
     } else { /* group-ar */
         for (int i = 0; i < s * S; i++) {
             buf[i] = 0.25f;
