@@ -1,9 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The shim core's operations on an MPI communicator (shim_fe_ops_t): the settings exchange
- * and the context over MPI (the MPI + CPU backend). Used by the MPI front-end for the job's
- * communicators, and by the NCCL front-end while it runs on an MPI twin of the NCCL
- * communicator.
+ * and the context over MPI (the MPI + CPU backend), for the MPI front-end's communicators
+ * (libmfsdp_preload_mpi.so).
  */
 #include <mpi.h>
 #include <stdlib.h>

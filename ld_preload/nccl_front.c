@@ -1,29 +1,38 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * NCCL front-end of the shim: ncclAllGather, ncclReduceScatter, ncclRedOpCreatePreMulSum /
- * ncclRedOpDestroy (to learn PreMulSum scalars), ncclCommInitRank / InitRankConfig / Split /
- * Destroy / Abort (to track communicators). Real functions are the library's exported
- * pncclX names (or the next definition of ncclX), resolved once with dlsym(RTLD_NEXT): no
- * link-time dependency on libnccl. This is the one file that converts mfsdp statuses into
- * ncclResult_t.
+ * NCCL front-end of the shim (libmfsdp_preload.so, no MPI anywhere): ncclAllGather,
+ * ncclReduceScatter and ncclAllReduce (HSDP's replicate all-reduce), ncclRedOpCreatePreMulSum
+ * / ncclRedOpDestroy (to learn PreMulSum scalars), ncclGroupStart / ncclGroupEnd /
+ * ncclGroupSimulateEnd (the calling thread's group depth) and ncclCommFinalize / Destroy /
+ * Abort (to flush and forget a communicator's state while it still works). Real functions
+ * are the library's exported pncclX names (or a definition of ncclX other than ours), resolved
+ * once with mfsdp_nccl_sym, which also finds a libnccl loaded with RTLD_LOCAL (PyTorch's pip
+ * wheels): no link-time dependency on libnccl. This is the one file that converts mfsdp
+ * statuses into ncclResult_t.
  *
- * Transport today: owner collectives run on the runtime's MPI transport over host memory,
- * on an MPI communicator split from MPI_COMM_WORLD with the NCCL comm's ranks. That is
- * what the test-only NCCL-over-MPI library (tests/lib) provides; it marks itself with the
- * symbol mfsdp_fake_nccl_host_memory. With the real NCCL (device buffers) the NCCL
- * transport is not implemented yet, so every call passes through untouched (one WARN).
+ * A communicator is registered at its first intercepted call (size and rank from the real
+ * ncclCommCount / ncclCommUserRank), so communicators made any way (ncclCommInitRank*,
+ * ncclCommSplit, ncclCommShrink, ...) are all seen. Owner collectives, the settings exchange
+ * and the contexts run on the job's own communicator through the NCCL transport
+ * (ld_preload/nccl_ops.c), on the intercepted call's stream: the real NCCL on device memory,
+ * or the test-only NCCL-over-MPI library (tests/lib) on host memory.
+ *
+ * Groups: a call the shim would remap cannot run inside a group the job keeps open (NCCL
+ * defers it to the job's ncclGroupEnd, but the runtime must launch each of its own groups
+ * before the local work that follows it): such a call stops the job with one error. Calls
+ * that pass through are forwarded inside the group as they are.
  */
-#include <dlfcn.h>
 #include <nccl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 
-#include "core/log.h"
-#include "ld_preload/mpi_ops.h"
+#include "ld_preload/nccl_ops.h"
 #include "ld_preload/shim.h"
 #include "mfsdp/kernels.h"
+#include "transport/nccl.h"
 
 #define SHIM_EXPORT __attribute__((visibility("default")))
 
@@ -31,66 +40,129 @@ typedef ncclResult_t (*ag_fn)(const void *, void *, size_t, ncclDataType_t, nccl
                               cudaStream_t);
 typedef ncclResult_t (*rs_fn)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t,
                               cudaStream_t);
-typedef ncclResult_t (*init_fn)(ncclComm_t *, int, ncclUniqueId, int);
-typedef ncclResult_t (*initcfg_fn)(ncclComm_t *, int, ncclUniqueId, int, ncclConfig_t *);
-typedef ncclResult_t (*split_fn)(ncclComm_t, int, int, ncclComm_t *, ncclConfig_t *);
-typedef ncclResult_t (*destroy_fn)(ncclComm_t);
+typedef ncclResult_t (*comm_fn)(ncclComm_t);
 typedef ncclResult_t (*count_fn)(const ncclComm_t, int *);
 typedef ncclResult_t (*premul_fn)(ncclRedOp_t *, void *, ncclDataType_t, ncclScalarResidence_t,
                                   ncclComm_t);
 typedef ncclResult_t (*opdestroy_fn)(ncclRedOp_t, ncclComm_t);
-typedef ncclResult_t (*ar_fn)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t,
-                              cudaStream_t);
+typedef ncclResult_t (*group_fn)(void);
+#ifdef NCCL_SIM_INFO_INITIALIZER
+typedef ncclResult_t (*simend_fn)(ncclSimInfo_t *);
+#endif
 
 static struct {
     ag_fn allgather;
     rs_fn reduce_scatter;
-    init_fn init_rank;
-    initcfg_fn init_rank_config;
-    split_fn split;
-    destroy_fn destroy;
-    destroy_fn abort;
+    rs_fn allreduce;
+    comm_fn finalize;
+    comm_fn destroy;
+    comm_fn abort;
     count_fn count;
     count_fn user_rank;
     premul_fn premul;
     opdestroy_fn op_destroy;
-    ar_fn allreduce;
-    int host_memory; /* the real library is the host-memory NCCL-over-MPI test library */
+    group_fn group_start;
+    group_fn group_end;
+#ifdef NCCL_SIM_INFO_INITIALIZER
+    simend_fn group_simulate_end;
+#endif
 } real;
 
 static pthread_once_t real_once = PTHREAD_ONCE_INIT;
 
+/* pncclX, else an ncclX that is not this library's own: in the global scope or, as PyTorch's
+ * pip wheels load libnccl (RTLD_LOCAL), in the loaded object that holds it. */
 static void *resolve(const char *pname, const char *name)
 {
-    void *f = dlsym(RTLD_NEXT, pname);
-    if (f == NULL) {
-        f = dlsym(RTLD_NEXT, name);
-    }
-    if (f == NULL) {
-        MFSDP_WARN("cannot resolve %s in the real NCCL library", name);
-    }
-    return f;
+    void *f = mfsdp_nccl_sym(pname, 0); /* never ours: the shim defines no pncclX */
+    return f != NULL ? f : mfsdp_nccl_sym(name, 1);
 }
 
 static void resolve_all(void)
 {
     real.allgather = (ag_fn)resolve("pncclAllGather", "ncclAllGather");
     real.reduce_scatter = (rs_fn)resolve("pncclReduceScatter", "ncclReduceScatter");
-    real.init_rank = (init_fn)resolve("pncclCommInitRank", "ncclCommInitRank");
-    real.init_rank_config =
-        (initcfg_fn)resolve("pncclCommInitRankConfig", "ncclCommInitRankConfig");
-    real.split = (split_fn)resolve("pncclCommSplit", "ncclCommSplit");
-    real.destroy = (destroy_fn)resolve("pncclCommDestroy", "ncclCommDestroy");
-    real.abort = (destroy_fn)resolve("pncclCommAbort", "ncclCommAbort");
+    real.allreduce = (rs_fn)resolve("pncclAllReduce", "ncclAllReduce");
+    real.finalize = (comm_fn)resolve("pncclCommFinalize", "ncclCommFinalize");
+    real.destroy = (comm_fn)resolve("pncclCommDestroy", "ncclCommDestroy");
+    real.abort = (comm_fn)resolve("pncclCommAbort", "ncclCommAbort");
     real.count = (count_fn)resolve("pncclCommCount", "ncclCommCount");
     real.user_rank = (count_fn)resolve("pncclCommUserRank", "ncclCommUserRank");
     real.premul = (premul_fn)resolve("pncclRedOpCreatePreMulSum", "ncclRedOpCreatePreMulSum");
     real.op_destroy = (opdestroy_fn)resolve("pncclRedOpDestroy", "ncclRedOpDestroy");
-    real.allreduce = (ar_fn)resolve("pncclAllReduce", "ncclAllReduce");
-    real.host_memory = dlsym(RTLD_DEFAULT, "mfsdp_fake_nccl_host_memory") != NULL;
+    real.group_start = (group_fn)resolve("pncclGroupStart", "ncclGroupStart");
+    real.group_end = (group_fn)resolve("pncclGroupEnd", "ncclGroupEnd");
+#ifdef NCCL_SIM_INFO_INITIALIZER
+    real.group_simulate_end = (simend_fn)resolve("pncclGroupSimulateEnd", "ncclGroupSimulateEnd");
+#endif
 }
 
 #define REAL(fn) (pthread_once(&real_once, resolve_all), real.fn)
+
+/* The job called a function the shim overrides but the loaded library lacks (no NCCL loaded,
+ * or one too old): said once, never forwarded into nothing. */
+static ncclResult_t missing(const char *name)
+{
+    static atomic_int said;
+    if (atomic_fetch_add(&said, 1) == 0 && !shim_quiet()) {
+        fprintf(stderr,
+                "mfsdp: error: %s was called, but the loaded NCCL library defines neither %s nor "
+                "p%s (is libnccl loaded, and is it 2.19 or newer?)\n",
+                name, name, name);
+        fflush(stderr);
+    }
+    return ncclInvalidUsage;
+}
+
+/* ---------------------------------------------------------------- groups */
+
+/* Groups the calling thread has open (NCCL's depth is per thread too). The runtime's own
+ * groups go to the pncclX functions directly and are never counted. */
+static __thread int group_depth;
+
+/* nccl.h declares these with an empty parameter list: give them prototypes. */
+SHIM_EXPORT ncclResult_t ncclGroupStart(void);
+SHIM_EXPORT ncclResult_t ncclGroupEnd(void);
+
+SHIM_EXPORT ncclResult_t ncclGroupStart(void)
+{
+    group_fn f = REAL(group_start);
+    if (f == NULL) {
+        return missing("ncclGroupStart");
+    }
+    ncclResult_t r = f();
+    if (r == ncclSuccess && !shim_inside) {
+        group_depth++;
+    }
+    return r;
+}
+
+SHIM_EXPORT ncclResult_t ncclGroupEnd(void)
+{
+    group_fn f = REAL(group_end);
+    if (f == NULL) {
+        return missing("ncclGroupEnd");
+    }
+    if (group_depth > 0 && !shim_inside) {
+        group_depth--; /* NCCL leaves the group whatever the end returns */
+    }
+    return f();
+}
+
+#ifdef NCCL_SIM_INFO_INITIALIZER
+/* Ends the group too (without running it): PyTorch's time estimator uses it. */
+SHIM_EXPORT ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t *simInfo)
+{
+    simend_fn f = REAL(group_simulate_end);
+    if (f == NULL) {
+        return missing("ncclGroupSimulateEnd");
+    }
+    if (group_depth > 0 && !shim_inside) {
+        group_depth--;
+    }
+    return f(simInfo);
+}
+#endif
 
 /* ---------------------------------------------------------------- PreMulSum scalars */
 
@@ -159,7 +231,7 @@ SHIM_EXPORT ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t *op, void *scalar,
 {
     premul_fn f = REAL(premul);
     if (f == NULL) {
-        return ncclSystemError;
+        return missing("ncclRedOpCreatePreMulSum");
     }
     ncclResult_t r = f(op, scalar, datatype, residence, comm);
     if (r != ncclSuccess || shim_inside) {
@@ -206,7 +278,7 @@ SHIM_EXPORT ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm)
 {
     opdestroy_fn f = REAL(op_destroy);
     if (f == NULL) {
-        return ncclSystemError;
+        return missing("ncclRedOpDestroy");
     }
     pthread_mutex_lock(&premul_lock);
     for (int i = 0; i < MAX_PREMUL; i++) {
@@ -220,127 +292,95 @@ SHIM_EXPORT ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm)
 
 /* ---------------------------------------------------------------- communicators */
 
-static uint64_t id_hash(const ncclUniqueId *id)
-{
-    uint64_t h = 1469598103934665603ull; /* FNV-1a */
-    for (size_t i = 0; i < sizeof(id->internal); i++) {
-        h = (h ^ (unsigned char)id->internal[i]) * 1099511628211ull;
-    }
-    return h;
-}
-
-/* Track a new comm. Its MPI twin is a split of parent keyed by the NCCL rank. The split is
- * collective over parent, so it is only done where every rank of parent is known to create
- * the comm at the same point: an InitRank comm that spans MPI_COMM_WORLD, or an
- * ncclCommSplit (collective over its parent by NCCL's rules). Other comms pass through. */
-static void track(ncclComm_t comm, MPI_Comm parent, int color, int from_init)
-{
-    int inited = 0, finalized = 0;
-    MPI_Initialized(&inited);
-    MPI_Finalized(&finalized);
-    int size = 0, rank = 0;
-    if (REAL(count) == NULL || REAL(user_rank) == NULL || real.count(comm, &size) != ncclSuccess ||
-        real.user_rank(comm, &rank) != ncclSuccess) {
-        return;
-    }
-    if (!real.host_memory || !inited || finalized) {
-        static int warned;
-        if (!warned++) {
-            MFSDP_WARN("nccl front-end: %s; NCCL calls pass through untouched",
-                       !real.host_memory
-                           ? "the NCCL transport for device buffers is not implemented yet"
-                           : "MPI is not initialized (the CPU transport needs it)");
-        }
-        return;
-    }
-    int world = 0;
-    PMPI_Comm_size(MPI_COMM_WORLD, &world);
-    if (from_init && size != world) {
-        MFSDP_INFO(SHIM, "nccl comm of size %d does not span MPI_COMM_WORLD (%d): pass-through",
-                   size, world);
-        return;
-    }
-    MPI_Comm mpi = MPI_COMM_NULL;
-    if (PMPI_Comm_split(parent, color & 0x7fffffff, rank, &mpi) != MPI_SUCCESS) {
-        MFSDP_WARN("nccl front-end: MPI_Comm_split for a new communicator failed");
-        return;
-    }
-    void *st = shim_mpi_state(mpi, 1);
-    if (st == NULL || shim_comm_add(SHIM_NCCL, comm, &shim_mpi_ops, st, size, rank) == NULL) {
-        free(st);
-        PMPI_Comm_free(&mpi);
-    }
-}
-
-SHIM_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank)
-{
-    init_fn f = REAL(init_rank);
-    if (f == NULL) {
-        return ncclSystemError;
-    }
-    ncclResult_t r = f(comm, nranks, id, rank);
-    if (r == ncclSuccess && !shim_inside) {
-        track(*comm, MPI_COMM_WORLD, (int)(id_hash(&id) & 0x7fffffff), 1);
-    }
-    return r;
-}
-
-SHIM_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id,
-                                                int rank, ncclConfig_t *config)
-{
-    initcfg_fn f = REAL(init_rank_config);
-    if (f == NULL) {
-        return ncclSystemError;
-    }
-    ncclResult_t r = f(comm, nranks, id, rank, config);
-    if (r == ncclSuccess && !shim_inside) {
-        track(*comm, MPI_COMM_WORLD, (int)(id_hash(&id) & 0x7fffffff), 1);
-    }
-    return r;
-}
-
-SHIM_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
-                                       ncclConfig_t *config)
-{
-    split_fn f = REAL(split);
-    if (f == NULL) {
-        return ncclSystemError;
-    }
-    ncclResult_t r = f(comm, color, key, newcomm, config);
-    shim_comm_t *parent = shim_comm_find(SHIM_NCCL, comm);
-    if (r == ncclSuccess && !shim_inside && parent != NULL && *newcomm != NULL) {
-        track(*newcomm, shim_mpi_comm(parent), color < 0 ? 0 : color, 0);
-    } else if (r == ncclSuccess && parent != NULL && *newcomm == NULL) {
-        MPI_Comm unused = MPI_COMM_NULL; /* ranks with NCCL_SPLIT_NOCOLOR still take part */
-        PMPI_Comm_split(shim_mpi_comm(parent), MPI_UNDEFINED, key, &unused);
-    }
-    return r;
-}
-
 static ncclResult_t nccl_error(mfsdp_status_t st);
 
-/* Flush and forget the comm's state first (pending steps are collective over it), then destroy
- * it. A comm whose remap failed reports the failure here too, so that a job that ignored the
- * collective's error code does not end cleanly. */
-static ncclResult_t release(ncclComm_t comm, destroy_fn f)
+/* The shim's state for comm, registered at its first intercepted call. NULL with *r set when
+ * it cannot be tracked (said once): its calls then fail rather than pass unidentified. */
+static shim_comm_t *comm_state(ncclComm_t comm, ncclResult_t *r)
+{
+    static pthread_mutex_t reg_lock = PTHREAD_MUTEX_INITIALIZER;
+    shim_comm_t *c = shim_comm_find(SHIM_NCCL, comm);
+    if (c != NULL) {
+        return c;
+    }
+    pthread_mutex_lock(&reg_lock); /* one entry when two threads call a new comm at once */
+    c = shim_comm_find(SHIM_NCCL, comm);
+    if (c != NULL) {
+        pthread_mutex_unlock(&reg_lock);
+        return c;
+    }
+    int size = 0, rank = 0;
+    count_fn fc = REAL(count), fr = REAL(user_rank);
+    *r = fc == NULL   ? missing("ncclCommCount")
+         : fr == NULL ? missing("ncclCommUserRank")
+                      : fc(comm, &size);
+    if (*r == ncclSuccess) {
+        *r = fr(comm, &rank);
+    }
+    if (*r == ncclSuccess && (size < 1 || rank < 0 || rank >= size)) {
+        *r = ncclInternalError;
+    }
+    if (*r != ncclSuccess) {
+        if (fc != NULL && fr != NULL && !shim_quiet()) {
+            fprintf(stderr,
+                    "mfsdp: error: ncclCommCount/ncclCommUserRank on communicator %p failed "
+                    "(%d; size %d, rank %d): the shim cannot track it, so its calls fail\n",
+                    (void *)comm, (int)*r, size, rank);
+        }
+        pthread_mutex_unlock(&reg_lock);
+        return NULL;
+    }
+    void *st = shim_nccl_state(comm);
+    c = st != NULL ? shim_comm_add(SHIM_NCCL, comm, &shim_nccl_ops, st, size, rank) : NULL;
+    if (c == NULL) {
+        free(st);
+        *r = ncclSystemError;
+        pthread_mutex_unlock(&reg_lock);
+        return NULL;
+    }
+    /* Every mode exchanges settings over the comm at its first all-gather or reduce-scatter,
+     * through the NCCL transport: a library without what it needs stops the job here, once. */
+    char msg[768];
+    mfsdp_status_t us = shim_nccl_usable(msg, sizeof(msg));
+    if (us != MFSDP_OK) {
+        pthread_mutex_lock(&c->lock);
+        shim_fatal(c, 1, us, "%s", msg);
+        pthread_mutex_unlock(&c->lock);
+    }
+    pthread_mutex_unlock(&reg_lock);
+    return c;
+}
+
+/* Flush and forget the comm's state first (pending steps and the last checkpoint are
+ * collective over it), then finalize or destroy it. A comm whose remap failed reports the
+ * failure here too, so that a job that ignored the collective's error code does not end
+ * cleanly. */
+static ncclResult_t release(ncclComm_t comm, comm_fn f, const char *name)
 {
     if (f == NULL) {
-        return ncclSystemError;
+        return missing(name);
     }
-    mfsdp_status_t st = shim_comm_remove(shim_comm_find(SHIM_NCCL, comm));
+    mfsdp_status_t st = shim_inside ? MFSDP_OK : shim_comm_remove(shim_comm_find(SHIM_NCCL, comm));
     premul_purge(comm);
     ncclResult_t r = f(comm);
     return r == ncclSuccess && st != MFSDP_OK ? nccl_error(st) : r;
 }
 
+/* PyTorch finalizes a communicator (flushing NCCL's work) before destroying it: by then it
+ * must carry nothing of mfsdp's any more. */
+SHIM_EXPORT ncclResult_t ncclCommFinalize(ncclComm_t comm)
+{
+    return release(comm, REAL(finalize), "ncclCommFinalize");
+}
+
 SHIM_EXPORT ncclResult_t ncclCommDestroy(ncclComm_t comm)
 {
-    return release(comm, REAL(destroy));
+    return release(comm, REAL(destroy), "ncclCommDestroy");
 }
 
 SHIM_EXPORT ncclResult_t ncclCommAbort(ncclComm_t comm)
 {
-    return release(comm, REAL(abort));
+    return release(comm, REAL(abort), "ncclCommAbort");
 }
 
 /* ---------------------------------------------------------------- collectives */
@@ -391,18 +431,24 @@ SHIM_EXPORT ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, siz
 {
     ag_fn f = REAL(allgather);
     if (f == NULL) {
-        return ncclSystemError;
+        return missing("ncclAllGather");
     }
-    shim_comm_t *c = shim_inside ? NULL : shim_comm_find(SHIM_NCCL, comm);
-    if (c == NULL || sendcount == 0) {
+    if (shim_inside || sendcount == 0) {
         return f(sendbuff, recvbuff, sendcount, datatype, comm, stream);
+    }
+    ncclResult_t r = ncclSuccess;
+    shim_comm_t *c = comm_state(comm, &r);
+    if (c == NULL) {
+        return r;
     }
     shim_call_t call = {.kind = SHIM_ALLGATHER,
                         .count = sendcount,
                         .send = sendbuff,
                         .recv = recvbuff,
                         .op_name = "none",
-                        .op_supported = 1};
+                        .op_supported = 1,
+                        .stream = (void *)stream,
+                        .in_group = group_depth > 0};
     call.dtype_known = nccl_dtype(datatype, &call.dtype);
     mfsdp_status_t st = MFSDP_OK;
     switch (shim_dispatch(c, &call, &st)) {
@@ -422,14 +468,22 @@ SHIM_EXPORT ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff,
 {
     rs_fn f = REAL(reduce_scatter);
     if (f == NULL) {
-        return ncclSystemError;
+        return missing("ncclReduceScatter");
     }
-    shim_comm_t *c = shim_inside ? NULL : shim_comm_find(SHIM_NCCL, comm);
-    if (c == NULL || recvcount == 0) {
+    if (shim_inside || recvcount == 0) {
         return f(sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
     }
-    shim_call_t call = {
-        .kind = SHIM_REDUCE_SCATTER, .count = recvcount, .send = sendbuff, .recv = recvbuff};
+    ncclResult_t r = ncclSuccess;
+    shim_comm_t *c = comm_state(comm, &r);
+    if (c == NULL) {
+        return r;
+    }
+    shim_call_t call = {.kind = SHIM_REDUCE_SCATTER,
+                        .count = recvcount,
+                        .send = sendbuff,
+                        .recv = recvbuff,
+                        .stream = (void *)stream,
+                        .in_group = group_depth > 0};
     call.dtype_known = nccl_dtype(datatype, &call.dtype) && call.dtype != MFSDP_UINT8;
     nccl_op(op, comm, &call);
     mfsdp_status_t st = MFSDP_OK;
@@ -450,15 +504,24 @@ SHIM_EXPORT ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, siz
                                        ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                                        cudaStream_t stream)
 {
-    ar_fn f = REAL(allreduce);
+    rs_fn f = REAL(allreduce);
     if (f == NULL) {
-        return ncclSystemError;
+        return missing("ncclAllReduce");
     }
-    shim_comm_t *c = shim_inside ? NULL : shim_comm_find(SHIM_NCCL, comm);
-    if (c == NULL || count == 0) {
+    if (shim_inside || count == 0) {
         return f(sendbuff, recvbuff, count, datatype, op, comm, stream);
     }
-    shim_call_t call = {.kind = SHIM_ALLREDUCE, .count = count, .send = sendbuff, .recv = recvbuff};
+    ncclResult_t r = ncclSuccess;
+    shim_comm_t *c = comm_state(comm, &r);
+    if (c == NULL) {
+        return r;
+    }
+    shim_call_t call = {.kind = SHIM_ALLREDUCE,
+                        .count = count,
+                        .send = sendbuff,
+                        .recv = recvbuff,
+                        .stream = (void *)stream,
+                        .in_group = group_depth > 0};
     call.dtype_known = nccl_dtype(datatype, &call.dtype) && call.dtype != MFSDP_UINT8;
     nccl_op(op, comm, &call);
     mfsdp_status_t st = MFSDP_OK;

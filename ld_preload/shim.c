@@ -13,6 +13,7 @@
 #include "ld_preload/shim.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -39,6 +40,7 @@ static shim_comm_t *comms;
 /* Process-wide, for the first-iteration rule and HSDP (under comms_lock). */
 static uint64_t calls_total, remapped_total;
 static shim_comm_t *pending_comm; /* the comm whose last reduce may await a replicate */
+static int first_rank = -1;       /* this process's rank in the first comm registered */
 
 /* Variables that mean nothing without a manifest would be silently ignored: an error. These
  * may be set without one. */
@@ -144,19 +146,37 @@ static void shim_init_once(void)
 
 static int finalized_once;
 
-/* A job that never calls MPI_Finalize (PyTorch under torchrun) still gets its summary and
- * end-of-job checks, and its record. */
+/* This process's rank in the job, for the one summary line and the record: the launcher's
+ * (torchrun's RANK, mpirun's OMPI_COMM_WORLD_RANK, PMIx, PMI, Slurm), else its rank in the
+ * first communicator the shim saw (communicators are registered at their first call, which
+ * may be a sub-group's). */
+static int job_rank(void)
+{
+    static const char *const vars[] = {"RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK",
+                                       "SLURM_PROCID"};
+    for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++) {
+        const char *v = getenv(vars[i]);
+        char *end = NULL;
+        long r = v != NULL && *v != '\0' ? strtol(v, &end, 10) : -1;
+        if (end != NULL && *end == '\0' && r >= 0 && r <= INT_MAX) {
+            return (int)r;
+        }
+    }
+    pthread_mutex_lock(&comms_lock);
+    int r = first_rank >= 0 ? first_rank : 0;
+    pthread_mutex_unlock(&comms_lock);
+    return r;
+}
+
+/* A job that never calls MPI_Finalize (PyTorch under torchrun, any job of the NCCL front-end,
+ * which does not intercept MPI) still gets its summary and end-of-job checks, its record, and
+ * a non-zero exit status when its remap failed or trained nothing. */
 static void shim_atexit(void)
 {
     if (finalized_once) {
         return;
     }
-    int rank = 0;
-    pthread_mutex_lock(&comms_lock);
-    for (shim_comm_t *c = comms; c != NULL; c = c->next) {
-        rank = c->rank; /* the oldest communicator's rank reports */
-    }
-    pthread_mutex_unlock(&comms_lock);
+    int rank = job_rank();
     /* Live comms are not released here (that would be collective at exit); their counters
      * join the summary. */
     pthread_mutex_lock(&comms_lock);
@@ -166,7 +186,11 @@ static void shim_atexit(void)
     }
     pthread_mutex_unlock(&comms_lock);
     shim_record_write(rank);
-    shim_report_exit(rank);
+    if (shim_report_exit(rank)) {
+        /* The error was printed: the job must not exit 0, whatever status it exits with. */
+        fflush(NULL);
+        _exit(3);
+    }
 }
 
 mfsdp_status_t shim_init(void)
@@ -220,6 +244,9 @@ shim_comm_t *shim_comm_add(shim_frontend_t fe, const void *handle, const shim_fe
     pthread_mutex_lock(&comms_lock);
     c->next = comms;
     comms = c;
+    if (first_rank < 0) {
+        first_rank = rank;
+    }
     pthread_mutex_unlock(&comms_lock);
     MFSDP_INFO(SHIM, "%s comm %p: rank %d of %d%s", fe == SHIM_MPI ? "mpi" : "nccl", handle, rank,
                size, c->managed ? ", managed" : "");
@@ -481,6 +508,10 @@ static shim_result_t execute(shim_comm_t *c, size_t group, const unsigned char *
         st = c->ops->ctx_create(c, c->man, &o, &c->ctx);
         created = st == MFSDP_OK;
     }
+    if (st == MFSDP_OK) {
+        /* Everything this call enqueues goes on its stream (DESIGN.md section 6). */
+        st = mfsdp_ctx_set_stream(c->ctx, call->stream);
+    }
     char why[512] = ""; /* a checkpoint step's failure */
     int ck = 0;
     if (st == MFSDP_OK && created && !tagged) {
@@ -645,6 +676,57 @@ static shim_result_t unmanaged_call(shim_comm_t *c, mfsdp_status_t *st_p)
     return SHIM_ERROR;
 }
 
+/* Stop the job: a call that would be remapped was issued inside a group the job opened. */
+static shim_result_t group_refusal(shim_comm_t *c, const shim_call_t *call, const char *gname,
+                                   mfsdp_status_t *st_p)
+{
+    shim_fatal(c, 1, MFSDP_ERR_UNSUPPORTED,
+               "a%s %s%s%s (count %zu) that mfsdp would remap was issued inside a group the job "
+               "opened (ncclGroupStart/ncclGroupEnd), which defers it to the group's end; "
+               "mfsdp's owner collectives need each of their own groups to launch before the "
+               "local work that follows it, so they cannot run there: issue FSDP's "
+               "all-gathers, reduce-scatters and replicate all-reduces outside NCCL groups (no "
+               "coalescing manager, no *_coalesced collectives)",
+               call->kind == SHIM_REDUCE_SCATTER ? "" : "n", kind_word(call->kind),
+               gname != NULL ? " of group " : "", gname != NULL ? gname : "", call->count);
+    *st_p = MFSDP_ERR_UNSUPPORTED;
+    return SHIM_ERROR;
+}
+
+/* A call inside a group the job keeps open: it runs only at the job's group end, so it cannot
+ * be remapped (the runtime's groups and the local work between them would run before it).
+ * Decided without the agreement, which is a collective the open group would defer too, from
+ * the same rank-identical state as shim_dispatch: a call that would pass through passes (and
+ * is recorded), one that would be remapped or refused stops the job. */
+static shim_result_t grouped_call(shim_comm_t *c, int tagged, const shim_call_t *call,
+                                  mfsdp_status_t *st_p)
+{
+    if (c->failed) {
+        *st_p = c->fail_status;
+        return SHIM_ERROR;
+    }
+    if (shim_status != MFSDP_OK) {
+        shim_fatal(c, 1, shim_status, "%s", shim_err);
+        *st_p = shim_status;
+        return SHIM_ERROR;
+    }
+    if (!tagged && c->reg == NULL) {
+        if (shim_recording()) {
+            shim_record_call(c, call);
+            c->passed++;
+            return SHIM_PASS;
+        }
+        if (shim_manifest == NULL) {
+            c->passed++;
+            return SHIM_PASS;
+        }
+        if (!c->managed) {
+            return unmanaged_call(c, st_p);
+        }
+    }
+    return group_refusal(c, call, NULL, st_p);
+}
+
 shim_result_t shim_dispatch(shim_comm_t *c, const shim_call_t *call, mfsdp_status_t *st_p)
 {
     *st_p = MFSDP_OK;
@@ -662,6 +744,11 @@ shim_result_t shim_dispatch(shim_comm_t *c, const shim_call_t *call, mfsdp_statu
         pending_comm = NULL; /* the next call on the shard comm: no replicate came */
     }
     pthread_mutex_unlock(&comms_lock);
+    c->stream = call->stream; /* the front-end's exchanges below run on it */
+    if (call->in_group) {
+        res = grouped_call(c, tagged, call, st_p);
+        goto out;
+    }
     if (!c->agreed && !comm_agree(c, tagged ? &tag : NULL, call)) {
         res = SHIM_ERROR;
         *st_p = c->fail_status;
@@ -805,11 +892,16 @@ shim_result_t shim_allreduce(shim_comm_t *c, const shim_call_t *call, mfsdp_stat
         res = SHIM_ERROR;
         goto out;
     }
+    if (call->in_group) {
+        res = group_refusal(p, call, p->man->groups[group].name, st_p);
+        goto out;
+    }
     char msg[1024] = "";
-    mfsdp_status_t st = MFSDP_OK;
     shim_inside = 1;
     mfsdp_log_capture_begin();
-    if (!p->replicate_attached) {
+    /* The replicate all-reduce's own stream (FSDP2's all_reduce_stream): its work goes there. */
+    mfsdp_status_t st = mfsdp_ctx_set_stream(p->ctx, call->stream);
+    if (st == MFSDP_OK && !p->replicate_attached) {
         /* Collective over the replicate comm: its ranks are all in this all-reduce. */
         st = c->ops->attach_replicate != NULL ? c->ops->attach_replicate(p->ctx, c)
                                               : MFSDP_ERR_UNSUPPORTED;

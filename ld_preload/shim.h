@@ -25,8 +25,10 @@ struct shim_comm;
 
 /* What the core needs of a front-end for one communicator: the settings exchange, creating a
  * context on it, attaching it as HSDP's replicate communicator, and releasing the front-end's
- * own state. The MPI front-end runs them on the MPI communicator; the NCCL front-end on the
- * NCCL communicator (no MPI). */
+ * own state. The MPI front-end runs them on the MPI communicator (mpi_ops.c); the NCCL
+ * front-end on the NCCL communicator itself, through the NCCL transport (nccl_ops.c, no MPI).
+ * The exchanges run inside an intercepted call that every rank of the comm is in, on that
+ * call's stream (shim_comm_t.stream). */
 typedef struct shim_fe_ops {
     /* element-wise min (is_max 0) or max (1) of n uint64 over the comm's ranks; 0 on success */
     int (*allreduce_u64)(struct shim_comm *c, uint64_t *buf, size_t n, int is_max);
@@ -54,6 +56,7 @@ typedef struct shim_comm {
     const void *handle;       /* the job's comm handle (MPI_Comm or ncclComm_t) */
     const shim_fe_ops_t *ops; /* the front-end's operations on this comm */
     void *fe_state;           /* the front-end's own state of the comm */
+    void *stream;             /* the stream of the call in progress (its lock held) */
     int size;
     int rank;
     int agreed;                  /* settings compared across the comm's ranks */
@@ -101,6 +104,10 @@ typedef struct shim_call {
     double scalar;       /* PREMULSUM factor */
     const char *op_name; /* for records and messages */
     int op_supported;    /* 0: an op mfsdp cannot apply (prod, max, device scalar...) */
+    void *stream;        /* the call's stream (an NCCL call's cudaStream_t; NULL for MPI):
+                            everything a remapped call enqueues goes on it */
+    int in_group;        /* 1: issued inside a group the job keeps open (ncclGroupStart), so
+                            it runs only at the job's group end: it cannot be remapped */
 } shim_call_t;
 
 /* Outcome of shim_dispatch(). */
@@ -129,7 +136,8 @@ shim_comm_t *shim_comm_find(shim_frontend_t fe, const void *handle);
 mfsdp_status_t shim_comm_remove(shim_comm_t *c);
 /* At MPI_Finalize: release every comm, write the record, print the summary (on world rank 0).
  * Returns non-zero when the job must not exit 0 (an error, or a manifest that remapped
- * nothing). */
+ * nothing). A job that never calls it (the NCCL front-end's jobs: torchrun, or MPI_Finalize
+ * not intercepted) gets the summary, the record and the exit status at exit instead. */
 int shim_finalize_all(int world_rank);
 
 /* Decide and execute one all-gather or reduce-scatter. Thread-safe per comm. */

@@ -28,7 +28,7 @@ ninja -C "$build" >/dev/null
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OPENBLAS_NUM_THREADS=1
 mkdir -p "$out"
 job="$root/$build/examples/fsdp_train_mpi"
-shim="$root/$build/ld_preload/libmfsdp_preload.so"
+shim="$root/$build/ld_preload/libmfsdp_preload_mpi.so"
 mpirun=(mpirun -np "$np" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
 common=(--model "$model" --steps "$steps" --seed 1)
 # Each optimizer at its tuned learning rates (single-process sweep of the reference, see
@@ -45,7 +45,7 @@ echo "-- 1/3 FSDP + AdamW"
 "${mpirun[@]}" "$job" "${common[@]}" "${adamw_lr[@]}" --optim adamw >"$out/adamw.log"
 echo "-- 2/3 FSDP2-Muon (muon-gather)"
 "${mpirun[@]}" "$job" "${common[@]}" "${muon_lr[@]}" --optim muon-gather >"$out/muon-gather.log"
-echo "-- 3/3 MatrixFSDP Muon: the AdamW job under LD_PRELOAD=libmfsdp_preload.so"
+echo "-- 3/3 MatrixFSDP Muon: the AdamW job under LD_PRELOAD=libmfsdp_preload_mpi.so"
 "${mpirun[@]}" -x LD_PRELOAD="$shim" -x MFSDP_MANIFEST="$out/manifest.json" \
   -x MFSDP_GRAD_DIVIDE=world -x MFSDP_REPORT=1 \
   "$job" "${common[@]}" "${adamw_lr[@]}" --optim adamw >"$out/mfsdp.log" 2>&1

@@ -9,6 +9,7 @@
 #include "transport/nccl.h"
 
 #include <dlfcn.h>
+#include <link.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
@@ -53,16 +54,77 @@ static int ours(void *fn)
     return a.dli_fbase == b.dli_fbase;
 }
 
+/* The loaded objects' paths (the main program excluded: it is in the global scope). */
+typedef struct loaded {
+    char **paths;
+    size_t n, cap;
+} loaded_t;
+
+static int loaded_cb(struct dl_phdr_info *info, size_t size, void *arg)
+{
+    (void)size;
+    loaded_t *l = arg;
+    if (info->dlpi_name == NULL || info->dlpi_name[0] == '\0') {
+        return 0;
+    }
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? 2 * l->cap : 64;
+        char **p = realloc(l->paths, cap * sizeof(*p));
+        if (p == NULL) {
+            return 1;
+        }
+        l->paths = p;
+        l->cap = cap;
+    }
+    l->paths[l->n] = strdup(info->dlpi_name);
+    l->n += l->paths[l->n] != NULL;
+    return 0;
+}
+
+/* sym in the global scope, else in a loaded object or its dependencies, skipping definitions
+ * in mfsdp's own object when not_ours. The second search finds a library loaded with
+ * RTLD_LOCAL, which dlsym(RTLD_DEFAULT) never sees: PyTorch's pip wheels load libnccl that way
+ * (ctypes.CDLL in torch/__init__.py, then libtorch_cuda's DT_NEEDED under an RTLD_LOCAL
+ * import), while an LD_PRELOADed interposer still catches libtorch_cuda's calls. */
+void *mfsdp_nccl_sym(const char *sym, int not_ours)
+{
+    void *f = dlsym(RTLD_DEFAULT, sym);
+    if (f != NULL && !(not_ours && ours(f))) {
+        return f;
+    }
+    loaded_t l = {NULL, 0, 0};
+    dl_iterate_phdr(loaded_cb, &l); /* dlopen is not called under the loader's lock */
+    void *found = NULL;
+    for (size_t i = 0; i < l.n; i++) {
+        if (found == NULL) {
+            void *h = dlopen(l.paths[i], RTLD_LAZY | RTLD_NOLOAD);
+            void *g = h != NULL ? dlsym(h, sym) : NULL;
+            if (g != NULL && !(not_ours && ours(g))) {
+                found = g; /* the object stays loaded: the job holds it */
+            }
+            if (h != NULL) {
+                dlclose(h); /* drops the reference RTLD_NOLOAD took */
+            }
+        }
+        free(l.paths[i]);
+    }
+    free(l.paths);
+    return found;
+}
+
 static void *resolve(const char *name)
 {
     char sym[64];
     snprintf(sym, sizeof(sym), "pnccl%s", name);
-    void *f = dlsym(RTLD_DEFAULT, sym);
+    void *f = mfsdp_nccl_sym(sym, 0); /* an interposer never defines pncclX (a test may wrap it) */
     if (f != NULL) {
         return f;
     }
     snprintf(sym, sizeof(sym), "nccl%s", name);
-    f = dlsym(RTLD_DEFAULT, sym);
+    f = mfsdp_nccl_sym(sym, 1);
+    if (f == NULL) {
+        f = dlsym(RTLD_DEFAULT, sym); /* only ours: said below */
+    }
     if (f != NULL && ours(f)) {
         MFSDP_WARN("nccl%s resolves to mfsdp's own definition (an interposer) and the loaded "
                    "NCCL exports no pnccl%s: it is not used",
@@ -116,7 +178,7 @@ static void api_resolve(void)
     NCCL_REQUIRED(NCCL_RESOLVE)
     NCCL_OPTIONAL(NCCL_RESOLVE)
 #undef NCCL_RESOLVE
-    a.host_memory = dlsym(RTLD_DEFAULT, "mfsdp_fake_nccl_host_memory") != NULL;
+    a.host_memory = mfsdp_nccl_sym("mfsdp_fake_nccl_host_memory", 0) != NULL;
     const char *m = missing(&a);
     if (m != NULL) {
         MFSDP_WARN("the NCCL function %s (or p%s) is not loaded in this process: no NCCL "

@@ -60,12 +60,21 @@ typedef struct mfsdp_nccl_api {
 } mfsdp_nccl_api_t;
 
 /*
- * The loaded library's functions, resolved once (thread-safe) in the process's global scope:
- * pncclX, else ncclX unless that definition lives in the object mfsdp itself is linked into
- * (an interposer's own override: calling it would recurse). MFSDP_ERR_UNSUPPORTED naming the
+ * The loaded library's functions, resolved once (thread-safe) with mfsdp_nccl_sym: pncclX,
+ * else ncclX unless that definition lives in the object mfsdp itself is linked into (an
+ * interposer's own override: calling it would recurse). MFSDP_ERR_UNSUPPORTED naming the
  * first required function that is missing (no NCCL loaded, or one too old).
  */
 mfsdp_status_t mfsdp_nccl_api_get(const mfsdp_nccl_api_t **api_p);
+
+/*
+ * A symbol of the loaded NCCL: sym in the process's global scope, else in any loaded object
+ * or its dependencies (a library loaded with RTLD_LOCAL, as PyTorch's pip wheels load libnccl,
+ * is in no global scope); with not_ours, definitions in the object mfsdp is linked into (an
+ * interposer's overrides) are skipped. NULL when absent. Not for hot paths (it may walk every
+ * loaded object): resolve once.
+ */
+void *mfsdp_nccl_sym(const char *sym, int not_ours);
 
 /*
  * A transport over comm (borrowed: the caller keeps and destroys it; nothing is duplicated or

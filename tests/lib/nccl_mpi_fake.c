@@ -8,8 +8,8 @@
  * - Types and prototypes come from the real nccl.h, so a job compiles unchanged against
  *   either library. Every entry point is a strong `pncclX` with a weak `ncclX` alias, as in
  *   NCCL, so a preloaded interposer can forward to `pncclX`.
- * - Buffers are host pointers; the stream argument is ignored and every call has completed
- *   when it returns (as if the stream were synchronized).
+ * - Buffers are host pointers; the stream argument is only recorded (FAKE_NCCL_TRACE) and
+ *   every call has completed when it returns (as if the stream were synchronized).
  * - The job calls MPI_Init itself (NCCL jobs use MPI only to broadcast the unique id).
  *   The library's own traffic goes through the PMPI_ names: it stands in for NCCL, which uses
  *   no MPI, so an MPI interposer (the shim's MPI front-end, a tracing tool) must not see it.
@@ -28,8 +28,11 @@
  * - Messages go to stderr when NCCL_DEBUG is WARN, INFO or TRACE, and are always available
  *   through ncclGetLastError().
  * - FAKE_NCCL_TRACE=prefix appends one line per collective or P2P call, in issue order, to
- *   the file prefix.<MPI_COMM_WORLD rank>: "kind count dtype op inplace nranks", so tests can
- *   check what a job puts on the wire.
+ *   the file prefix.<MPI_COMM_WORLD rank>: "kind count dtype op inplace nranks stream" (the
+ *   stream argument as 0x-hex), so tests can check what a job puts on the wire and on which
+ *   stream.
+ * - ncclGroupSimulateEnd ends a group like ncclGroupEnd but runs none of its calls (a
+ *   simulation); estimatedTime is 0.
  * - Non-blocking communicators (ncclConfig_t.blocking = 0 at init or split): init, split, a
  *   collective or P2P call outside a group and the outermost ncclGroupEnd complete their work
  *   and return ncclInProgress; ncclCommGetAsyncError then answers ncclInProgress
@@ -108,6 +111,7 @@ typedef struct fake_call {
     ncclRedOp_t op;
     int root; /* root, or peer for send/recv */
     ncclComm_t comm;
+    cudaStream_t stream; /* recorded only */
 } fake_call_t;
 
 /* Group state is per thread, as in NCCL. */
@@ -835,8 +839,8 @@ static void trace_call(const fake_call_t *c)
     else if (c->kind != FAKE_SEND && c->kind != FAKE_RECV)
         inplace = c->send == c->recv;
     pthread_mutex_lock(&trace_lock);
-    fprintf(trace_file, "%s %zu %d %d %d %d\n", names[c->kind], c->count, (int)c->dtype, (int)c->op,
-            inplace, c->comm->nranks);
+    fprintf(trace_file, "%s %zu %d %d %d %d 0x%llx\n", names[c->kind], c->count, (int)c->dtype,
+            (int)c->op, inplace, c->comm->nranks, (unsigned long long)(uintptr_t)c->stream);
     fflush(trace_file);
     pthread_mutex_unlock(&trace_lock);
 }
@@ -1289,7 +1293,7 @@ FAKE_ALIAS(ncclRedOpDestroy);
 
 static ncclResult_t enqueue(fake_kind_t kind, const void *send, void *recv, size_t count,
                             ncclDataType_t dt, ncclRedOp_t op, int root, ncclComm_t comm,
-                            const char *fn)
+                            cudaStream_t stream, const char *fn)
 {
     ncclResult_t res = check_comm(comm, fn);
     if (res == ncclSuccess)
@@ -1322,7 +1326,7 @@ static ncclResult_t enqueue(fake_kind_t kind, const void *send, void *recv, size
             group_error = res;
         return res;
     }
-    fake_call_t c = {kind, send, recv, count, dt, op, root, comm};
+    fake_call_t c = {kind, send, recv, count, dt, op, root, comm, stream};
     return submit(&c);
 }
 
@@ -1331,7 +1335,7 @@ FAKE_EXPORT ncclResult_t pncclAllGather(const void *sendbuff, void *recvbuff, si
                                         cudaStream_t stream)
 {
     return enqueue(FAKE_ALLGATHER, sendbuff, recvbuff, sendcount, datatype, ncclSum, 0, comm,
-                   "ncclAllGather");
+                   stream, "ncclAllGather");
 }
 FAKE_ALIAS(ncclAllGather);
 
@@ -1340,7 +1344,7 @@ FAKE_EXPORT ncclResult_t pncclReduceScatter(const void *sendbuff, void *recvbuff
                                             ncclComm_t comm, cudaStream_t stream)
 {
     return enqueue(FAKE_REDUCE_SCATTER, sendbuff, recvbuff, recvcount, datatype, op, 0, comm,
-                   "ncclReduceScatter");
+                   stream, "ncclReduceScatter");
 }
 FAKE_ALIAS(ncclReduceScatter);
 
@@ -1348,7 +1352,7 @@ FAKE_EXPORT ncclResult_t pncclAllReduce(const void *sendbuff, void *recvbuff, si
                                         ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                                         cudaStream_t stream)
 {
-    return enqueue(FAKE_ALLREDUCE, sendbuff, recvbuff, count, datatype, op, 0, comm,
+    return enqueue(FAKE_ALLREDUCE, sendbuff, recvbuff, count, datatype, op, 0, comm, stream,
                    "ncclAllReduce");
 }
 FAKE_ALIAS(ncclAllReduce);
@@ -1357,7 +1361,7 @@ FAKE_EXPORT ncclResult_t pncclBroadcast(const void *sendbuff, void *recvbuff, si
                                         ncclDataType_t datatype, int root, ncclComm_t comm,
                                         cudaStream_t stream)
 {
-    return enqueue(FAKE_BROADCAST, sendbuff, recvbuff, count, datatype, ncclSum, root, comm,
+    return enqueue(FAKE_BROADCAST, sendbuff, recvbuff, count, datatype, ncclSum, root, comm, stream,
                    "ncclBroadcast");
 }
 FAKE_ALIAS(ncclBroadcast);
@@ -1365,7 +1369,8 @@ FAKE_ALIAS(ncclBroadcast);
 FAKE_EXPORT ncclResult_t pncclBcast(void *buff, size_t count, ncclDataType_t datatype, int root,
                                     ncclComm_t comm, cudaStream_t stream)
 {
-    return enqueue(FAKE_BROADCAST, buff, buff, count, datatype, ncclSum, root, comm, "ncclBcast");
+    return enqueue(FAKE_BROADCAST, buff, buff, count, datatype, ncclSum, root, comm, stream,
+                   "ncclBcast");
 }
 FAKE_ALIAS(ncclBcast);
 
@@ -1373,21 +1378,24 @@ FAKE_EXPORT ncclResult_t pncclReduce(const void *sendbuff, void *recvbuff, size_
                                      ncclDataType_t datatype, ncclRedOp_t op, int root,
                                      ncclComm_t comm, cudaStream_t stream)
 {
-    return enqueue(FAKE_REDUCE, sendbuff, recvbuff, count, datatype, op, root, comm, "ncclReduce");
+    return enqueue(FAKE_REDUCE, sendbuff, recvbuff, count, datatype, op, root, comm, stream,
+                   "ncclReduce");
 }
 FAKE_ALIAS(ncclReduce);
 
 FAKE_EXPORT ncclResult_t pncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype,
                                    int peer, ncclComm_t comm, cudaStream_t stream)
 {
-    return enqueue(FAKE_SEND, sendbuff, NULL, count, datatype, ncclSum, peer, comm, "ncclSend");
+    return enqueue(FAKE_SEND, sendbuff, NULL, count, datatype, ncclSum, peer, comm, stream,
+                   "ncclSend");
 }
 FAKE_ALIAS(ncclSend);
 
 FAKE_EXPORT ncclResult_t pncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer,
                                    ncclComm_t comm, cudaStream_t stream)
 {
-    return enqueue(FAKE_RECV, NULL, recvbuff, count, datatype, ncclSum, peer, comm, "ncclRecv");
+    return enqueue(FAKE_RECV, NULL, recvbuff, count, datatype, ncclSum, peer, comm, stream,
+                   "ncclRecv");
 }
 FAKE_ALIAS(ncclRecv);
 
@@ -1406,19 +1414,20 @@ FAKE_EXPORT ncclResult_t pncclGroupStart(void)
 }
 FAKE_ALIAS(ncclGroupStart);
 
-FAKE_EXPORT ncclResult_t pncclGroupEnd(void)
+static ncclResult_t group_end(int simulate, const char *fn)
 {
     if (group_depth == 0) {
-        fake_warn("ncclGroupEnd: not inside a group");
+        fake_warn("%s: not inside a group", fn);
         return ncclInvalidUsage;
     }
     if (--group_depth > 0)
         return ncclSuccess;
     ncclResult_t res = group_error;
-    if (res == ncclSuccess)
+    if (res == ncclSuccess && !simulate)
         res = exec_calls(group_calls, group_ncalls);
     /* Non-blocking communicators of the group report the group as in progress. */
-    for (size_t i = 0; i < group_ncalls && (res == ncclSuccess || res == ncclInProgress); i++) {
+    for (size_t i = 0;
+         !simulate && i < group_ncalls && (res == ncclSuccess || res == ncclInProgress); i++) {
         ncclComm_t c = group_calls[i].comm;
         if (c->nonblocking && c->pending == 0)
             res = in_progress(c, ncclSuccess);
@@ -1430,8 +1439,24 @@ FAKE_EXPORT ncclResult_t pncclGroupEnd(void)
     group_cap = 0;
     return res;
 }
+
+FAKE_EXPORT ncclResult_t pncclGroupEnd(void)
+{
+    return group_end(0, "ncclGroupEnd");
+}
 FAKE_ALIAS(ncclGroupEnd);
 
-/* Marker for the mfsdp shim's NCCL front-end: this library works on host memory, so the
- * shim may run owner collectives on its MPI transport (ld_preload/nccl_front.c). */
+FAKE_EXPORT ncclResult_t pncclGroupSimulateEnd(ncclSimInfo_t *simInfo)
+{
+    if (simInfo == NULL) {
+        fake_warn("ncclGroupSimulateEnd: simInfo is NULL");
+        return ncclInvalidArgument;
+    }
+    simInfo->estimatedTime = 0.0f;
+    return group_end(1, "ncclGroupSimulateEnd");
+}
+FAKE_ALIAS(ncclGroupSimulateEnd);
+
+/* Marker for mfsdp's NCCL transport (transport/nccl.c): this library works on host memory, so
+ * host values need no staging and the CPU executor does the owners' local work. */
 FAKE_EXPORT const char mfsdp_fake_nccl_host_memory[] = "nccl-over-mpi host memory";

@@ -411,14 +411,17 @@ def main():
     ap.add_argument("--mpirun", required=True)
     ap.add_argument("--mpi-exe", required=True)
     ap.add_argument("--nccl-exe")
-    ap.add_argument("--preload", required=True)
+    ap.add_argument("--preload-mpi", required=True, help="libmfsdp_preload_mpi.so")
+    ap.add_argument("--preload-nccl", help="libmfsdp_preload.so (the NCCL flavour)")
     ap.add_argument("--plan", required=True)
     ap.add_argument("--env", action="append", default=[],
                     help="K=V passed to the ranks of shim runs (e.g. MFSDP_STEP=lazy)")
     args = ap.parse_args()
     args.env = dict(kv.split("=", 1) for kv in args.env)
-    if args.flavour == "nccl" and not args.nccl_exe:
-        raise SystemExit("FAIL: fsdp_train_nccl was not built")
+    if args.flavour == "nccl" and not (args.nccl_exe and args.preload_nccl):
+        raise SystemExit("FAIL: fsdp_train_nccl or libmfsdp_preload.so was not built")
+    # Each flavour runs under its front-end's library.
+    args.preload = args.preload_nccl if args.flavour == "nccl" else args.preload_mpi
     with tempfile.TemporaryDirectory(prefix="mfsdp-shim-") as tmp:
         args.command = args.case
         args.case = args.mode_case

@@ -5,10 +5,10 @@
  * place, every builtin op and PreMulSum (host-immediate and device-residence scalars), the
  * dtypes the jobs use, groups (deferred execution, nesting, P2P rings and all-to-all that
  * would deadlock without group semantics, P2P mixed with collectives, several mixed groups
- * in a row), ncclCommSplit, two communicators, non-blocking communicators (ncclInProgress,
- * polling), ncclMemAlloc and registration, the pnccl* entry points, and error statuses and
- * messages. Run under mpirun
- * at any number of ranks; prints "#wrong N" per check and exits non-zero when any is wrong.
+ * in a row, ncclGroupSimulateEnd), ncclCommSplit, two communicators, non-blocking
+ * communicators (ncclInProgress, polling), ncclMemAlloc and registration, the pnccl* entry
+ * points, and error statuses and messages. Run under mpirun at any number of ranks; prints
+ * "#wrong N" per check and exits non-zero when any is wrong.
  */
 #include <mpi.h>
 #include <nccl.h>
@@ -619,6 +619,26 @@ static long check_split_and_second_comm(ncclComm_t comm)
     return wrong;
 }
 
+/* ncclGroupSimulateEnd ends the group without running it. */
+static long check_group_simulate(ncclComm_t comm)
+{
+    long wrong = 0;
+    float x = 1.0f + (float)rank, y = -1.0f;
+    ncclSimInfo_t info = NCCL_SIM_INFO_INITIALIZER;
+    NCCL_OK(ncclGroupStart());
+    NCCL_OK(ncclAllReduce(&x, &y, 1, ncclFloat32, ncclSum, comm, NULL));
+    wrong += ncclGroupSimulateEnd(NULL) != ncclInvalidArgument; /* the group stays open */
+    NCCL_OK(pncclGroupSimulateEnd(&info));
+    wrong += y != -1.0f;                         /* nothing ran */
+    wrong += info.estimatedTime != 0.0f;         /* written */
+    wrong += ncclGroupEnd() != ncclInvalidUsage; /* and the group is closed */
+    NCCL_OK(ncclGroupStart());                   /* the next group runs as usual */
+    NCCL_OK(ncclAllReduce(&x, &y, 1, ncclFloat32, ncclSum, comm, NULL));
+    NCCL_OK(ncclGroupEnd());
+    wrong += y != (float)(nranks * (nranks + 1) / 2);
+    return wrong;
+}
+
 static long check_errors(ncclComm_t comm)
 {
     long wrong = 0;
@@ -703,6 +723,7 @@ int main(int argc, char **argv)
     report("group: send/recv ring, nested all-to-all", check_group_ring_alltoall(comm));
     report("group: allreduce+allgather+premulsum(device scalar)+p2p", check_group_mixed(comm));
     report("groups in a row: bcast+reduce+reduce_scatter+p2p", check_groups_in_row(comm));
+    report("ncclGroupSimulateEnd: the group ends, nothing runs", check_group_simulate(comm));
     report("non-blocking init/split/collectives/groups", check_nonblocking(comm));
     report("ncclMemAlloc, ncclCommRegister/Deregister", check_register(comm));
     report("comm queries, pnccl aliases", check_comm_queries(comm));
