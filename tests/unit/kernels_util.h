@@ -102,6 +102,27 @@ static inline double rel_err(const float *out, const double *ref, size_t n)
     return den > 0.0 ? sqrt(num / den) : sqrt(num);
 }
 
+/* Error of out against ref as a ratio to the bound rel * |ref| + ulps * 2^-24 * terms, in
+ * norms over the vector (< 1 passes). `terms` is the size of what was summed for each element
+ * (|a| + |b| for a + b): an fp32 sum that cancels keeps an absolute error of a few ulps of its
+ * terms, which a plain relative error would count against the kernel. */
+static inline double bounded_err(const float *out, const double *ref, const double *terms, size_t n,
+                                 double rel, double ulps)
+{
+    double num = 0.0, den = 0.0, t2 = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(out[i])) {
+            return INFINITY;
+        }
+        const double d = (double)out[i] - ref[i];
+        num += d * d;
+        den += ref[i] * ref[i];
+        t2 += terms[i] * terms[i];
+    }
+    const double bound = rel * sqrt(den) + ulps * 0x1p-24 * sqrt(t2);
+    return bound > 0.0 ? sqrt(num) / bound : (num > 0.0 ? INFINITY : 0.0);
+}
+
 static inline void *xmalloc(size_t bytes)
 {
     void *p = malloc(bytes == 0 ? 1 : bytes);

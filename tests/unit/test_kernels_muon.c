@@ -115,6 +115,7 @@ ParameterizedTest(muon_case_t *p, kernels_muon, matches_float64)
     double *ru = xmalloc(n * sizeof(double)), *rx = xmalloc(n * sizeof(double));
     double *w_before = xmalloc(n * sizeof(double)), *delta = xmalloc(n * sizeof(double));
     float *dgot = xmalloc(n * sizeof(float));
+    double *mterm = xmalloc(n * sizeof(double));
     /* Small weights: the fp32 rounding of W stays far below the update being checked. */
     fill_normal(&rng, w, n, 0.05);
     fill_normal(&rng, mom, n, 0.01);
@@ -140,6 +141,7 @@ ParameterizedTest(muon_case_t *p, kernels_muon, matches_float64)
         /* Reference step in double. */
         const double beta = 0.95, lr = 0.02, wd = (double)p->weight_decay;
         for (size_t i = 0; i < n; i++) {
+            mterm[i] = beta * fabs(rm[i]) + (1.0 - beta) * fabs((double)g[i]);
             rm[i] = beta * rm[i] + (1.0 - beta) * g[i];
             ru[i] = p->nesterov ? (1.0 - beta) * g[i] + beta * rm[i] : rm[i];
         }
@@ -172,12 +174,13 @@ ParameterizedTest(muon_case_t *p, kernels_muon, matches_float64)
             nwb += w_before[i] * w_before[i];
         }
         const double err_w = isfinite(num) ? sqrt(num / fmax(fmax(na, nwb), 1e-300)) : INFINITY;
-        const double err_m = rel_err(mom, rm, n);
+        /* momentum: within 1e-5 of itself plus 4 ulps of its two terms (they may cancel) */
+        const double err_m = bounded_err(mom, rm, mterm, n, 1e-5, 4.0);
         const double err_d = rel_err(dgot, delta, n);
-        fprintf(stderr, "[%s] step %d: rel err W %.3g update %.3g momentum %.3g\n", what, step,
-                err_w, err_d, err_m);
+        fprintf(stderr, "[%s] step %d: rel err W %.3g update %.3g, momentum error/bound %.3g\n",
+                what, step, err_w, err_d, err_m);
         cr_expect_lt(err_w, 1e-5, "%s step %d: W rel err %g", what, step, err_w);
-        cr_expect_lt(err_m, 1e-5, "%s step %d: momentum rel err %g", what, step, err_m);
+        cr_expect_lt(err_m, 1.0, "%s step %d: momentum error / bound %g", what, step, err_m);
         cr_expect_lt(err_d, 1e-4, "%s step %d: update rel err %g", what, step, err_d);
         if (p->comm >= 0) {
             check_comm(w, comm, (mfsdp_dtype_t)p->comm, n);
@@ -202,6 +205,7 @@ ParameterizedTest(muon_case_t *p, kernels_muon, matches_float64)
     free(w_before);
     free(delta);
     free(dgot);
+    free(mterm);
 }
 
 Test(kernels_muon, scale)
@@ -321,6 +325,7 @@ ParameterizedTest(size_t *count, kernels_muon, adamw_matches_float64)
     float *comm = xmalloc(n * sizeof(float)), *dgot = xmalloc(n * sizeof(float));
     double *rw = xmalloc(n * sizeof(double)), *rm = xmalloc(n * sizeof(double));
     double *rv = xmalloc(n * sizeof(double)), *delta = xmalloc(n * sizeof(double));
+    double *mterm = xmalloc(n * sizeof(double)), *wterm = xmalloc(n * sizeof(double));
     fill_normal(&rng, w, n, 0.01); /* small: fp32 rounding of W far below the lr 1e-3 step */
     poison(m, n);                  /* state starts at zero: write it explicitly after poisoning */
     for (size_t i = 0; i < n; i++) {
@@ -339,20 +344,39 @@ ParameterizedTest(size_t *count, kernels_muon, adamw_matches_float64)
         cr_assert_eq(mfsdp_cpu_adamw_update(w, m, v, g, comm, dt, n, t, &hp), MFSDP_OK);
         const double b1 = 0.9f, b2 = 0.95f, lr = 1e-3f, eps = 1e-8f, wd = 0.1f;
         for (size_t i = 0; i < n; i++) {
+            mterm[i] = b1 * fabs(rm[i]) + (1 - b1) * fabs((double)g[i]);
             rm[i] = b1 * rm[i] + (1 - b1) * g[i];
             rv[i] = b2 * rv[i] + (1 - b2) * (double)g[i] * g[i];
             const double mh = rm[i] / (1 - pow(b1, (double)t));
             const double vh = rv[i] / (1 - pow(b2, (double)t));
-            rw[i] = rw[i] * (1 - lr * wd) - lr * mh / (sqrt(vh) + eps);
+            const double step = lr * mh / (sqrt(vh) + eps);
+            wterm[i] = fabs(rw[i]) + fabs(step);
+            rw[i] = rw[i] * (1 - lr * wd) - step;
             dgot[i] = (float)((double)w[i] - before[i]);
             delta[i] = rw[i] - before[i];
         }
-        const double ew = rel_err(w, rw, n), em = rel_err(m, rm, n), ev = rel_err(v, rv, n);
-        const double ed = rel_err(dgot, delta, n);
-        cr_expect_lt(ew, 1e-5, "t %lld: W rel err %g", (long long)t, ew);
-        cr_expect_lt(em, 1e-5, "t %lld: m rel err %g", (long long)t, em);
+        /* m within 1e-5 of itself plus 4 ulps of its terms (they cancel for gradients of
+         * alternating sign), W likewise (a small W and its step cancel); v's terms are both
+         * positive. */
+        const double ev = rel_err(v, rv, n);
+        const double ew = bounded_err(w, rw, wterm, n, 1e-5, 4.0); /* W and its step cancel */
+        const double em = bounded_err(m, rm, mterm, n, 1e-5, 4.0);
+        /* The update, element by element within 1e-4 of itself plus 4 ulps of W: W is
+         * stored in fp32 and the kernel rounds W * (1 - lr * wd), the Adam term and their
+         * difference, so W_after - W_before is never more exact than a few ulps of W. When
+         * the step cancels (momentum of alternating gradients against weight decay), the
+         * update shrinks towards that floor and a plain relative error measures the
+         * cancellation, not the kernel (seed 0x914117a08bf992c3, n = 1, t = 5: update
+         * 1.6e-6, error 1.6e-9 = 1.3 ulps of W). A wrong formula misses by the update's own
+         * size, 1e3 times this bound and more. Reported as a ratio to the bound (< 1). */
+        for (size_t i = 0; i < n; i++) {
+            mterm[i] = fabs(rw[i]); /* the update's terms now: W's size */
+        }
+        const double ed = bounded_err(dgot, delta, mterm, n, 1e-4, 8.0);
+        cr_expect_lt(ew, 1.0, "t %lld: W error / bound %g", (long long)t, ew);
+        cr_expect_lt(em, 1.0, "t %lld: m error / bound %g", (long long)t, em);
         cr_expect_lt(ev, 1e-5, "t %lld: v rel err %g", (long long)t, ev);
-        cr_expect_lt(ed, 1e-4, "t %lld: update rel err %g", (long long)t, ed);
+        cr_expect_lt(ed, 1.0, "t %lld: update error / bound %g", (long long)t, ed);
         check_comm(w, comm, dt, n);
         for (size_t i = 0; i < n; i++) { /* continue from the reference */
             w[i] = (float)rw[i];
@@ -373,6 +397,8 @@ ParameterizedTest(size_t *count, kernels_muon, adamw_matches_float64)
     free(rm);
     free(rv);
     free(delta);
+    free(mterm);
+    free(wterm);
 }
 
 Test(kernels_muon, adamw_errors)
