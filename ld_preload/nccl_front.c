@@ -462,51 +462,17 @@ SHIM_EXPORT ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, siz
     return f(sendbuff, recvbuff, sendcount, datatype, comm, stream);
 }
 
-SHIM_EXPORT ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
-                                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
-                                           cudaStream_t stream)
-{
-    rs_fn f = REAL(reduce_scatter);
-    if (f == NULL) {
-        return missing("ncclReduceScatter");
-    }
-    if (shim_inside || recvcount == 0) {
-        return f(sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
-    }
-    ncclResult_t r = ncclSuccess;
-    shim_comm_t *c = comm_state(comm, &r);
-    if (c == NULL) {
-        return r;
-    }
-    shim_call_t call = {.kind = SHIM_REDUCE_SCATTER,
-                        .count = recvcount,
-                        .send = sendbuff,
-                        .recv = recvbuff,
-                        .stream = (void *)stream,
-                        .in_group = group_depth > 0};
-    call.dtype_known = nccl_dtype(datatype, &call.dtype) && call.dtype != MFSDP_UINT8;
-    nccl_op(op, comm, &call);
-    mfsdp_status_t st = MFSDP_OK;
-    switch (shim_dispatch(c, &call, &st)) {
-    case SHIM_DONE:
-        return ncclSuccess;
-    case SHIM_ERROR:
-        return nccl_error(st);
-    case SHIM_PASS:
-        break;
-    }
-    return f(sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
-}
+/* A reduce-scatter or an all-reduce (same argument list): identified by shim_dispatch or,
+ * for the HSDP replicate all-reduce, shim_allreduce; passed to the real NCCL otherwise. */
+typedef shim_result_t (*route_fn)(shim_comm_t *, const shim_call_t *, mfsdp_status_t *);
 
-/* HSDP: the all-reduce of a reduce-scatter's output over the replicate group (shim.c decides
- * from rank-identical state; every other all-reduce passes through). */
-SHIM_EXPORT ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
-                                       ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
-                                       cudaStream_t stream)
+static ncclResult_t reduce_call(const char *name, rs_fn f, shim_kind_t kind, route_fn route,
+                                const void *sendbuff, void *recvbuff, size_t count,
+                                ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                                cudaStream_t stream)
 {
-    rs_fn f = REAL(allreduce);
     if (f == NULL) {
-        return missing("ncclAllReduce");
+        return missing(name);
     }
     if (shim_inside || count == 0) {
         return f(sendbuff, recvbuff, count, datatype, op, comm, stream);
@@ -516,7 +482,7 @@ SHIM_EXPORT ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, siz
     if (c == NULL) {
         return r;
     }
-    shim_call_t call = {.kind = SHIM_ALLREDUCE,
+    shim_call_t call = {.kind = kind,
                         .count = count,
                         .send = sendbuff,
                         .recv = recvbuff,
@@ -525,7 +491,7 @@ SHIM_EXPORT ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, siz
     call.dtype_known = nccl_dtype(datatype, &call.dtype) && call.dtype != MFSDP_UINT8;
     nccl_op(op, comm, &call);
     mfsdp_status_t st = MFSDP_OK;
-    switch (shim_allreduce(c, &call, &st)) {
+    switch (route(c, &call, &st)) {
     case SHIM_DONE:
         return ncclSuccess;
     case SHIM_ERROR:
@@ -534,4 +500,22 @@ SHIM_EXPORT ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, siz
         break;
     }
     return f(sendbuff, recvbuff, count, datatype, op, comm, stream);
+}
+
+SHIM_EXPORT ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
+                                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                                           cudaStream_t stream)
+{
+    return reduce_call("ncclReduceScatter", REAL(reduce_scatter), SHIM_REDUCE_SCATTER,
+                       shim_dispatch, sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
+}
+
+/* HSDP: the all-reduce of a reduce-scatter's output over the replicate group (shim.c decides
+ * from rank-identical state; every other all-reduce passes through). */
+SHIM_EXPORT ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
+                                       ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                                       cudaStream_t stream)
+{
+    return reduce_call("ncclAllReduce", REAL(allreduce), SHIM_ALLREDUCE, shim_allreduce, sendbuff,
+                       recvbuff, count, datatype, op, comm, stream);
 }
