@@ -16,54 +16,6 @@
 #include "tests/unit/manifest_util.h"
 #include "core/schedule.h"
 
-static mfsdp_manifest_t *make_manifest(void)
-{
-    static const struct {
-        size_t group;
-        const char *name;
-        int ndim;
-        int64_t r, c;
-        mfsdp_dtype_t dt;
-        mfsdp_role_t role;
-        int rg;
-    } spec[] = {
-        {0, "a.w0", 2, 37, 20, MFSDP_BFLOAT16, MFSDP_ROLE_MUON, 1},
-        {0, "a.w1", 2, 3, 50, MFSDP_BFLOAT16, MFSDP_ROLE_MUON, 1},
-        {0, "a.norm", 1, 9, 1, MFSDP_BFLOAT16, MFSDP_ROLE_ADAMW, 1},
-        {0, "a.frozen", 2, 5, 5, MFSDP_BFLOAT16, MFSDP_ROLE_MUON, 0},
-        {1, "b.embed", 2, 11, 7, MFSDP_FLOAT32, MFSDP_ROLE_ADAMW, 1},
-        {1, "b.w", 2, 64, 16, MFSDP_FLOAT32, MFSDP_ROLE_MUON, 1},
-        {1, "b.bias", 1, 2, 1, MFSDP_FLOAT32, MFSDP_ROLE_ADAMW, 0},
-        {2, "c.w", 2, 1, 300, MFSDP_FLOAT32, MFSDP_ROLE_MUON, 1},
-    };
-    mfsdp_manifest_t *m = calloc(1, sizeof(*m));
-    mfsdp_hparams_default(&m->hp);
-    m->ngroups = 3;
-    m->groups = calloc(3, sizeof(*m->groups));
-    static const char *gn[] = {"a", "b", "c"};
-    for (size_t g = 0; g < 3; g++) {
-        m->groups[g].name = (char *)gn[g];
-        m->groups[g].lr_scale = 1.0;
-        m->groups[g].params = calloc(8, sizeof(mfsdp_param_desc_t));
-    }
-    for (size_t i = 0; i < sizeof(spec) / sizeof(spec[0]); i++) {
-        mfsdp_group_desc_t *g = &m->groups[spec[i].group];
-        mfsdp_param_desc_t *p = &g->params[g->nparams++];
-        test_param_fill(p, spec[i].name, spec[i].ndim, spec[i].r, spec[i].c, spec[i].dt,
-                        spec[i].role, spec[i].rg);
-    }
-    return m;
-}
-
-static void free_manifest(mfsdp_manifest_t *m)
-{
-    for (size_t g = 0; g < m->ngroups; g++) {
-        free(m->groups[g].params);
-    }
-    free(m->groups);
-    free(m);
-}
-
 /* 1 when op j of a list waits, directly or through its dependency chain, for op i. */
 static int depends_on(const mfsdp_sched_ops_t *ops, size_t j, size_t i)
 {
@@ -101,8 +53,7 @@ static void check_match_order(const mfsdp_sched_ops_t *ops, int r, const char *w
 }
 
 /* Rendezvous simulation of one group's op lists on all ranks. */
-static void simulate(const mfsdp_group_sched_t *gs, mfsdp_sched_ops_t *ops, int n,
-                     const char *what)
+static void simulate(const mfsdp_group_sched_t *gs, mfsdp_sched_ops_t *ops, int n, const char *what)
 {
     int **posted = calloc((size_t)n, sizeof(int *));
     int **done = calloc((size_t)n, sizeof(int *));
@@ -200,8 +151,8 @@ static void simulate(const mfsdp_group_sched_t *gs, mfsdp_sched_ops_t *ops, int 
                 const mfsdp_sched_op_t *rv = &ops[b].ops[best];
                 cr_assert_eq(rv->len, s->len, "%s: %d->%d tag %d: send %zu, receive %zu", what, a,
                              b, s->tag, s->len, rv->len);
-                cr_assert_eq(rv->off, s->off, "%s: %d->%d tag %d: offsets %zu vs %zu", what, a,
-                             b, s->tag, s->off, rv->off);
+                cr_assert_eq(rv->off, s->off, "%s: %d->%d tag %d: offsets %zu vs %zu", what, a, b,
+                             s->tag, s->off, rv->off);
                 cr_assert(!done[b][best], "%s: receive matched twice", what);
                 done[a][i] = 1;
                 done[b][best] = 1;
@@ -286,7 +237,7 @@ ParameterizedTestParameters(schedule, symmetric)
 
 ParameterizedTest(sched_param_t *prm, schedule, symmetric)
 {
-    mfsdp_manifest_t *m = make_manifest();
+    mfsdp_manifest_t *m = test_sched_manifest(0);
     mfsdp_plan_opts_t po = {.tail = prm->tail ? MFSDP_TAIL_SHARD : MFSDP_TAIL_OWNER};
     mfsdp_plan_t *plan = NULL;
     cr_assert_eq(mfsdp_plan_create(m, prm->world, &po, &plan), MFSDP_OK);
@@ -338,13 +289,13 @@ ParameterizedTest(sched_param_t *prm, schedule, symmetric)
         mfsdp_group_sched_destroy(gs);
     }
     mfsdp_plan_destroy(plan);
-    free_manifest(m);
+    test_sched_manifest_free(m);
 }
 
 /* The chain reduce's partial sums visit ranks 0, 1, ..., n-1 and end on the owner. */
 Test(schedule, chain_reduce_rank_order)
 {
-    mfsdp_manifest_t *m = make_manifest();
+    mfsdp_manifest_t *m = test_sched_manifest(0);
     for (int n = 2; n <= 5; n++) {
         mfsdp_plan_t *plan = NULL;
         cr_assert_eq(mfsdp_plan_create(m, n, NULL, &plan), MFSDP_OK);
@@ -355,7 +306,8 @@ Test(schedule, chain_reduce_rank_order)
             for (int r = 0; r < n; r++) {
                 mfsdp_sched_ops_t ops;
                 cr_assert_eq(mfsdp_sched_build(gs, r, MFSDP_SCHED_DIR_REDUCE, MFSDP_ALGO_CHAIN,
-                                               1 << 20, &ops), MFSDP_OK);
+                                               1 << 20, &ops),
+                             MFSDP_OK);
                 for (size_t i = 0; i < ops.nops; i++) {
                     const mfsdp_sched_op_t *o = &ops.ops[i];
                     if (o->seg != s || o->kind == MFSDP_SCHED_TAIL) {
@@ -380,12 +332,12 @@ Test(schedule, chain_reduce_rank_order)
         mfsdp_group_sched_destroy(gs);
         mfsdp_plan_destroy(plan);
     }
-    free_manifest(m);
+    test_sched_manifest_free(m);
 }
 
 Test(schedule, bad_arguments)
 {
-    mfsdp_manifest_t *m = make_manifest();
+    mfsdp_manifest_t *m = test_sched_manifest(0);
     mfsdp_plan_t *plan = NULL;
     cr_assert_eq(mfsdp_plan_create(m, 3, NULL, &plan), MFSDP_OK);
     mfsdp_group_sched_t *gs = NULL;
@@ -401,5 +353,5 @@ Test(schedule, bad_arguments)
     cr_expect_null(ops.ops);
     mfsdp_group_sched_destroy(gs);
     mfsdp_plan_destroy(plan);
-    free_manifest(m);
+    test_sched_manifest_free(m);
 }

@@ -25,55 +25,6 @@
 #include "core/schedule.h"
 #include "tests/unit/manifest_util.h"
 
-static mfsdp_manifest_t *make_manifest(void)
-{
-    static const struct {
-        size_t group;
-        const char *name;
-        int ndim;
-        int64_t r, c;
-        mfsdp_dtype_t dt;
-        mfsdp_role_t role;
-        int rg;
-    } spec[] = {
-        {0, "a.w0", 2, 37, 20, MFSDP_BFLOAT16, MFSDP_ROLE_MUON, 1},
-        {0, "a.w1", 2, 3, 50, MFSDP_BFLOAT16, MFSDP_ROLE_MUON, 1},
-        {0, "a.norm", 1, 9, 1, MFSDP_BFLOAT16, MFSDP_ROLE_ADAMW, 1},
-        {0, "a.frozen", 2, 5, 5, MFSDP_BFLOAT16, MFSDP_ROLE_MUON, 0},
-        {1, "b.embed", 2, 11, 7, MFSDP_FLOAT32, MFSDP_ROLE_ADAMW, 1},
-        {1, "b.w", 2, 64, 16, MFSDP_FLOAT32, MFSDP_ROLE_MUON, 1},
-        {1, "b.w2", 2, 33, 9, MFSDP_FLOAT32, MFSDP_ROLE_MUON, 1},
-        {1, "b.bias", 1, 2, 1, MFSDP_FLOAT32, MFSDP_ROLE_ADAMW, 0},
-        {2, "c.w", 2, 1, 300, MFSDP_FLOAT32, MFSDP_ROLE_MUON, 1},
-    };
-    mfsdp_manifest_t *m = calloc(1, sizeof(*m));
-    mfsdp_hparams_default(&m->hp);
-    m->ngroups = 3;
-    m->groups = calloc(3, sizeof(*m->groups));
-    static const char *gn[] = {"a", "b", "c"};
-    for (size_t g = 0; g < 3; g++) {
-        m->groups[g].name = (char *)gn[g];
-        m->groups[g].lr_scale = 1.0;
-        m->groups[g].params = calloc(8, sizeof(mfsdp_param_desc_t));
-    }
-    for (size_t i = 0; i < sizeof(spec) / sizeof(spec[0]); i++) {
-        mfsdp_group_desc_t *g = &m->groups[spec[i].group];
-        mfsdp_param_desc_t *p = &g->params[g->nparams++];
-        test_param_fill(p, spec[i].name, spec[i].ndim, spec[i].r, spec[i].c, spec[i].dt,
-                        spec[i].role, spec[i].rg);
-    }
-    return m;
-}
-
-static void free_manifest(mfsdp_manifest_t *m)
-{
-    for (size_t g = 0; g < m->ngroups; g++) {
-        free(m->groups[g].params);
-    }
-    free(m->groups);
-    free(m);
-}
-
 static int is_local(const mfsdp_sched_op_t *o)
 {
     return o->kind == MFSDP_SCHED_APPLY || o->kind == MFSDP_SCHED_COPYOUT;
@@ -209,7 +160,7 @@ ParameterizedTestParameters(waves, matched)
 
 ParameterizedTest(wave_param_t *prm, waves, matched)
 {
-    mfsdp_manifest_t *m = make_manifest();
+    mfsdp_manifest_t *m = test_sched_manifest(1);
     mfsdp_plan_opts_t po = {.tail = prm->tail ? MFSDP_TAIL_SHARD : MFSDP_TAIL_OWNER};
     mfsdp_plan_t *plan = NULL;
     cr_assert_eq(mfsdp_plan_create(m, prm->world, &po, &plan), MFSDP_OK);
@@ -238,14 +189,14 @@ ParameterizedTest(wave_param_t *prm, waves, matched)
         mfsdp_group_sched_destroy(gs);
     }
     mfsdp_plan_destroy(plan);
-    free_manifest(m);
+    test_sched_manifest_free(m);
 }
 
 /* Two segments with different owners, each more chunks than the window: owners send window w
  * in wave 2w (not all at once), and a chain of n ranks takes n - 1 + 2 (windows - 1) waves. */
 Test(waves, chain_windows)
 {
-    mfsdp_manifest_t *m = make_manifest();
+    mfsdp_manifest_t *m = test_sched_manifest(1);
     for (int n = 2; n <= 5; n++) {
         mfsdp_plan_t *plan = NULL;
         cr_assert_eq(mfsdp_plan_create(m, n, NULL, &plan), MFSDP_OK);
@@ -292,5 +243,5 @@ Test(waves, chain_windows)
         mfsdp_group_sched_destroy(gs);
         mfsdp_plan_destroy(plan);
     }
-    free_manifest(m);
+    test_sched_manifest_free(m);
 }
