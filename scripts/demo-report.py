@@ -51,13 +51,22 @@ for name, label in RUNS:
     print(f"{label:26} {r['loss']:10.4f} {r['optim_ms']:13.2f} {split} {r['step_ms']:9.2f}  {rss}")
 m, a = res["mfsdp"], res["adamw"]
 print()
+
+
+def speedup(base, ours, digits):
+    """'N.Nx faster' (or 'N.Nx slower' when ours took longer)."""
+    if ours <= base:
+        return f"{base / ours:5.{digits}f}x faster"
+    return f"{ours / base:5.{digits}f}x SLOWER"
+
+
 for name, label in MUON_BASELINES:
     b = res[name]
-    print(f"optimizer step: MatrixFSDP {b['optim_ms'] / m['optim_ms']:5.1f}x faster than {label} "
+    print(f"optimizer step: MatrixFSDP {speedup(b['optim_ms'], m['optim_ms'], 1)} than {label} "
           f"({m['optim_ms']:.1f} vs {b['optim_ms']:.1f} ms; owner Newton-Schulz, no collective)")
 for name, label in MUON_BASELINES:
     b = res[name]
-    print(f"whole step:     MatrixFSDP {b['step_ms'] / m['step_ms']:5.2f}x faster than {label} "
+    print(f"whole step:     MatrixFSDP {speedup(b['step_ms'], m['step_ms'], 2)} than {label} "
           f"({m['step_ms']:.1f} vs {b['step_ms']:.1f} ms)")
 g, d = res["muon-gather"], res["muon-dist"]
 # Same math, other placement: the two baselines' loss traces should coincide.

@@ -75,12 +75,12 @@
  * out of place on every rank, Newton-Schulz runs redundantly everywhere, each rank keeps its
  * rows; AdamW for the other tensors), --optim muon-dist (DMuon / Dion-style distributed
  * Muon: matrix j, counted over the Muon matrices with a gradient in FSDP parameter order,
- * belongs to shard rank j mod n; momentum stays sharded with the parameter; the momentum
- * update's shards are gathered to the owner (MPI_Gather / grouped ncclSend+ncclRecv), the
- * owner runs Newton-Schulz on the whole matrix, the orthogonalised update is scattered back
- * (MPI_Scatter / grouped P2P) and each rank applies its rows; all gathers, then every
- * owner's Newton-Schulz, then all scatters; the same arithmetic as muon-gather, the same
- * trajectory; AdamW for the other tensors), --optim none (the job under the shim).
+ * belongs to shard rank j mod n; momentum stays sharded with the parameter; per chunk of n
+ * consecutive matrices (Dion's batches) the momentum update's shards are gathered to the
+ * owners (MPI_Gather / grouped ncclSend+ncclRecv), each owner runs Newton-Schulz on its
+ * whole matrix, the orthogonalised updates are scattered back (MPI_Scatter / grouped P2P)
+ * and each rank applies its rows; the same arithmetic as muon-gather, the same trajectory;
+ * AdamW for the other tensors), --optim none (the job under the shim).
  * Muon tensors: the 2-D weights of the blocks (blocks.*.fc1.weight, blocks.*.fc2.weight,
  * blocks.0.gate.weight). AdamW tensors: embed.weight, norm.weight, lm_head.weight,
  * lm_head.bias and every bias (the manifest default rule: >= 2 dims except names matching
@@ -257,10 +257,11 @@ typedef struct trainer {
     int adam_t;
     float *mu_u, *mu_gather, *mu_out, *mu_ws; /* muon-gather scratch (mu_u, mu_out, mu_ws:
                                                  muon-dist too) */
-    size_t nmd;      /* muon-dist: Muon matrices with a gradient, in FSDP parameter order */
-    float **md_full; /* muon-dist: per matrix, its gathered update on its designated rank
-                        (matrix index mod n), NULL elsewhere */
-    int dry;         /* dry run: record the calls, compute nothing */
+    size_t nmd;     /* muon-dist: Muon matrices with a gradient, in FSDP parameter order */
+    param_t **md_p; /* muon-dist: those matrices */
+    group_t **md_g; /* muon-dist: their groups */
+    float *md_full; /* muon-dist: the gathered matrix this rank owns in the current chunk */
+    int dry;        /* dry run: record the calls, compute nothing */
     call_t *rec;
     size_t nrec, caprec;
     double t[T_COUNT];
@@ -1276,76 +1277,59 @@ static void muon_gather_param(trainer_t *T, group_t *g, param_t *p, float lr)
 }
 
 /*
- * DMuon / Dion-style distributed Muon over the shard group: matrix j (the Muon matrices
- * that got a gradient, in FSDP parameter order) belongs to rank j mod n. Three phases, so
- * that the owners' Newton-Schulz runs in parallel:
+ * DMuon / Dion-style distributed Muon over the shard group. Matrix j (the Muon matrices that
+ * got a gradient, in FSDP parameter order) belongs to rank j mod n; the matrices are taken
+ * in chunks of n consecutive ones (chunk k: j = k n .. k n + n - 1, rank i owns the i-th),
+ * as Dion's Muon batches them, so a rank holds one gathered matrix at a time. Per chunk:
  *   1. per matrix: momentum on the local rows (sharded with the parameter), then a gather of
  *      the padded shards of the nesterov update to the owner (rank-major c-row chunks: the
  *      first N0 rows are the matrix, the padding rows are zero);
- *   2. each rank runs Newton-Schulz on the matrices it owns, in place in the gathered
- *      buffer (the padding rows stay zero);
+ *   2. every owner runs Newton-Schulz on its matrix of the chunk (in parallel), in place in
+ *      the gathered buffer (the padding rows stay zero);
  *   3. per matrix: a scatter of the orthogonalised update from the owner; each rank applies
  *      its rows (decoupled weight decay, then -lr * update), as muon-gather does.
  * Same arithmetic as muon-gather on the same matrix, only placed on one rank:
- * optim_comm = the gathers and scatters (the scatters include waiting for the slowest
- * owner), optim_ns = this rank's Newton-Schulz.
+ * optim_comm = the gathers and scatters (a scatter includes waiting for its owner's
+ * Newton-Schulz), optim_ns = this rank's Newton-Schulz.
  */
 static void muon_dist_step(trainer_t *T, float lr)
 {
-    size_t j = 0;
-    double tc = 0.0;
-    for (size_t gi = 0; gi < T->ngroups; gi++) {
-        group_t *g = &T->g[gi];
-        for (size_t i = 0; i < g->np; i++) {
-            param_t *p = &g->p[i];
-            if (!p->muon || !p->used)
-                continue;
-            muon_momentum(T, g, p);
+    size_t n = (size_t)T->n;
+    double tc = 0.0, tn = 0.0;
+    for (size_t c0 = 0; c0 < T->nmd; c0 += n) {
+        size_t c1 = c0 + n < T->nmd ? c0 + n : T->nmd;
+        for (size_t j = c0; j < c1; j++) {
+            muon_momentum(T, T->md_g[j], T->md_p[j]);
             double t0 = now();
-            if (ft_comm_gather(T->comm, T->mu_u, T->md_full[j], p->s, (int)(j % (size_t)T->n)) != 0)
+            if (ft_comm_gather(T->comm, T->mu_u, T->md_full, T->md_p[j]->s, (int)(j - c0)) != 0)
                 fatal_comm(T);
             tc += now() - t0;
-            j++;
         }
-    }
-    double t1 = now();
-    j = 0;
-    for (size_t gi = 0; gi < T->ngroups; gi++)
-        for (size_t i = 0; i < T->g[gi].np; i++) {
-            const param_t *p = &T->g[gi].p[i];
-            if (!p->muon || !p->used)
-                continue;
-            if (T->md_full[j] != NULL) {
-                if (ft_newton_schulz(p->rows, p->cols, T->md_full[j], T->mu_out, T->mu_ws) != 0) {
-                    fprintf(stderr, "fsdp_train: matrix %s too large\n", p->name);
-                    ft_comm_abort(T->comm, 1);
-                }
-                memcpy(T->md_full[j], T->mu_out, p->rows * p->cols * sizeof(float));
+        size_t own = c0 + (size_t)T->rank;
+        if (own < c1) {
+            const param_t *p = T->md_p[own];
+            double t0 = now();
+            if (ft_newton_schulz(p->rows, p->cols, T->md_full, T->mu_out, T->mu_ws) != 0) {
+                fprintf(stderr, "fsdp_train: matrix %s too large\n", p->name);
+                ft_comm_abort(T->comm, 1);
             }
-            j++;
+            memcpy(T->md_full, T->mu_out, p->rows * p->cols * sizeof(float));
+            tn += now() - t0;
         }
-    double t2 = now();
-    j = 0;
-    for (size_t gi = 0; gi < T->ngroups; gi++) {
-        group_t *g = &T->g[gi];
-        for (size_t i = 0; i < g->np; i++) {
-            param_t *p = &g->p[i];
-            if (!p->muon || !p->used)
-                continue;
+        for (size_t j = c0; j < c1; j++) {
+            param_t *p = T->md_p[j];
             double t0 = now();
-            if (ft_comm_scatter(T->comm, T->md_full[j], T->mu_u, p->s, (int)(j % (size_t)T->n)) !=
-                0)
+            if (ft_comm_scatter(T->comm, T->md_full, T->mu_u, p->s, (int)(j - c0)) != 0)
                 fatal_comm(T);
             tc += now() - t0;
-            j++;
-            float *w = g->shard + p->o;
+            float *w = T->md_g[j]->shard + p->o;
             float decay = 1.0f - lr * (float)T->o.wd;
             for (size_t k = 0; k < p->lrows * p->cols; k++)
                 w[k] = w[k] * decay - lr * T->mu_u[k];
         }
     }
     T->t[T_OPTIM_COMM] += tc;
-    T->t[T_OPTIM_NS] += t2 - t1;
+    T->t[T_OPTIM_NS] += tn;
 }
 
 static void optimizer_step(trainer_t *T)
@@ -1445,17 +1429,24 @@ static void alloc_muon_scratch(trainer_t *T)
     T->mu_ws = xcalloc(max_ws, sizeof(float));
 }
 
-/* muon-dist: the shared scratch (momentum update, Newton-Schulz output and workspace) and a
- * gathered buffer (n * s floats) for each matrix this rank owns. */
+/* muon-dist: the Muon matrices with a gradient in FSDP parameter order, the shared scratch
+ * (momentum update, Newton-Schulz output and workspace) and one gathered buffer (n * s
+ * floats, the largest s: the matrix this rank owns in the current chunk). */
 static void alloc_muon_dist(trainer_t *T)
 {
     size_t max_s = 0, max_numel = 0, max_ws = 0, nmd = 0;
     for (size_t gi = 0; gi < T->ngroups; gi++)
+        for (size_t i = 0; i < T->g[gi].np; i++)
+            nmd += T->g[gi].p[i].muon && T->g[gi].p[i].used;
+    T->md_p = xcalloc(nmd ? nmd : 1, sizeof(param_t *));
+    T->md_g = xcalloc(nmd ? nmd : 1, sizeof(group_t *));
+    for (size_t gi = 0; gi < T->ngroups; gi++)
         for (size_t i = 0; i < T->g[gi].np; i++) {
-            const param_t *p = &T->g[gi].p[i];
+            param_t *p = &T->g[gi].p[i];
             if (!p->muon || !p->used)
                 continue;
-            nmd++;
+            T->md_g[T->nmd] = &T->g[gi];
+            T->md_p[T->nmd++] = p;
             max_s = p->s > max_s ? p->s : max_s;
             max_numel = p->rows * p->cols > max_numel ? p->rows * p->cols : max_numel;
             size_t ws = ft_ns_workspace(p->rows, p->cols);
@@ -1464,18 +1455,7 @@ static void alloc_muon_dist(trainer_t *T)
     T->mu_u = xcalloc(max_s ? max_s : 1, sizeof(float));
     T->mu_out = xcalloc(max_numel ? max_numel : 1, sizeof(float));
     T->mu_ws = xcalloc(max_ws ? max_ws : 1, sizeof(float));
-    T->nmd = nmd;
-    T->md_full = xcalloc(nmd ? nmd : 1, sizeof(float *));
-    size_t j = 0;
-    for (size_t gi = 0; gi < T->ngroups; gi++)
-        for (size_t i = 0; i < T->g[gi].np; i++) {
-            const param_t *p = &T->g[gi].p[i];
-            if (!p->muon || !p->used)
-                continue;
-            if (j % (size_t)T->n == (size_t)T->rank)
-                T->md_full[j] = xcalloc((size_t)T->n * p->s, sizeof(float));
-            j++;
-        }
+    T->md_full = xcalloc((size_t)T->n * (max_s ? max_s : 1), sizeof(float));
 }
 
 /* ---- reduction ------------------------------------------------------------------------- */
@@ -1881,9 +1861,9 @@ static void trainer_destroy(trainer_t *T)
                      T->ds,     T->da,   T->mu_u, T->mu_gather, T->mu_out, T->mu_ws};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         free(bufs[i]);
-    for (size_t j = 0; j < T->nmd; j++)
-        free(T->md_full[j]);
     free(T->md_full);
+    free(T->md_p);
+    free(T->md_g);
     free(T->tokens);
     ft_teacher_destroy(T->teacher);
 }

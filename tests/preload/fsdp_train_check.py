@@ -13,14 +13,15 @@
                before each call) both flavours are bitwise equal, the wire carries PreMulSum
                ops, and AdamW matches the --reference run (1e-5).
   muon-dist N  --optim muon-dist (DMuon-style: matrix j's momentum update gathered to rank
-               j mod N, Newton-Schulz there, the update scattered back) against --optim
+               j mod N, Newton-Schulz there, the update scattered back, in chunks of N
+               matrices) against --optim
                muon-gather at N ranks, also with an unused Muon matrix (--unused collide):
                every tensor and every loss within DIST_TOL relative (same arithmetic, another
                placement; in practice bitwise); the NCCL flavour is bitwise equal to the MPI
                flavour and its wire is the AdamW run's FSDP calls plus, per step, exactly the
                gathers and scatters that round-robin placement gives (ncclSend/ncclRecv of
-               each matrix's padded shard count S, gathers of all matrices before the
-               scatters) and no optimizer all-gather.
+               each matrix's padded shard count S; per chunk of N matrices the gathers, then
+               the scatters) and no optimizer all-gather.
   manifest N   the manifest written at N ranks is valid mfsdp-manifest/1 JSON whose groups,
                shapes, optimizer roles and call sequence match the job's FSDP2 layout, and
                the NCCL flavour's calls on the wire (traced by the test-only NCCL library)
@@ -229,18 +230,21 @@ def cmd_premul(args, tmp):
 
 def dist_p2p_expected(shapes, n, rank, steps):
     """The P2P calls of --optim muon-dist on one rank, in issue order, as trace lines
-    without the stream: per step a gather of every Muon matrix to its owner (j mod n), then
-    a scatter of every matrix from its owner. The owner's own block does not travel."""
+    without the stream: per step, per chunk of n consecutive Muon matrices, a gather of each
+    to its owner (j mod n), then a scatter of each from its owner. The owner's own block does
+    not travel."""
     one = []
-    for phase in ("gather", "scatter"):
-        for j, shape in enumerate(shapes):
-            owner, s = j % n, shard_numel(shape, n)
-            to_owner = phase == "gather"
-            if rank != owner:
-                one.append(f"{'send' if to_owner else 'recv'} {s} 7 0 0 {n}")
-            else:
-                kind = "recv" if to_owner else "send"
-                one += [f"{kind} {s} 7 0 0 {n}"] * (n - 1)
+    for c0 in range(0, len(shapes), n):
+        chunk = list(enumerate(shapes))[c0:c0 + n]
+        for phase in ("gather", "scatter"):
+            for j, shape in chunk:
+                owner, s = j % n, shard_numel(shape, n)
+                to_owner = phase == "gather"
+                if rank != owner:
+                    one.append(f"{'send' if to_owner else 'recv'} {s} 7 0 0 {n}")
+                else:
+                    kind = "recv" if to_owner else "send"
+                    one += [f"{kind} {s} 7 0 0 {n}"] * (n - 1)
     return one * steps
 
 
@@ -301,7 +305,7 @@ def cmd_muon_dist(args, tmp):
                 raise SystemExit(f"FAIL: rank {rk}: muon-dist's P2P calls ({len(p2p)}) are not "
                                  f"the round-robin gathers and scatters ({len(want)})")
         print(f"ok: muon-dist ({tag}) NCCL wire at {args.np} ranks: {len(mats)} matrices, "
-              f"round-robin gathers then scatters per step, no optimizer all-gather")
+              f"round-robin gathers then scatters per chunk, no optimizer all-gather")
 
 
 def cmd_manifest(args, tmp):
