@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # The README's main command. Installs what is missing, builds, then trains the unmodified
-# FSDP-style job examples/fsdp_train (MPI flavour) at 4 ranks three ways:
+# FSDP-style job examples/fsdp_train (MPI flavour) at 4 ranks four ways:
 #   1. FSDP + AdamW                         (--optim adamw)
 #   2. FSDP2-Muon as done today             (--optim muon-gather: all-gather every matrix,
 #                                            Newton-Schulz redundantly on every rank)
-#   3. the same AdamW job under LD_PRELOAD  (MatrixFSDP Muon: owners, reduce-to-owner,
+#   3. DMuon / Dion-style distributed Muon  (--optim muon-dist: each matrix gathered to one
+#                                            round-robin rank, Newton-Schulz there, the
+#                                            update scattered back)
+#   4. the same AdamW job under LD_PRELOAD  (MatrixFSDP Muon: owners, reduce-to-owner,
 #                                            local Newton-Schulz, no collective in the step)
 # and prints final loss, optimizer-step time, step time, peak RSS per rank and the speedups,
 # and writes demo-out/demo.png (loss and step-time curves).
@@ -41,11 +44,13 @@ echo "== fsdp_train (${model}) at ${np} ranks, ${steps} steps; logs in ${out}/"
   --write-manifest "$out/manifest.json" >/dev/null
 "$root/$build/tools/mfsdp-plan" "$out/manifest.json" --world-size "$np" >"$out/plan.txt"
 
-echo "-- 1/3 FSDP + AdamW"
+echo "-- 1/4 FSDP + AdamW"
 "${mpirun[@]}" "$job" "${common[@]}" "${adamw_lr[@]}" --optim adamw >"$out/adamw.log"
-echo "-- 2/3 FSDP2-Muon (muon-gather)"
+echo "-- 2/4 FSDP2-Muon (muon-gather)"
 "${mpirun[@]}" "$job" "${common[@]}" "${muon_lr[@]}" --optim muon-gather >"$out/muon-gather.log"
-echo "-- 3/3 MatrixFSDP Muon: the AdamW job under LD_PRELOAD=libmfsdp_preload_mpi.so"
+echo "-- 3/4 DMuon-style distributed Muon (muon-dist)"
+"${mpirun[@]}" "$job" "${common[@]}" "${muon_lr[@]}" --optim muon-dist >"$out/muon-dist.log"
+echo "-- 4/4 MatrixFSDP Muon: the AdamW job under LD_PRELOAD=libmfsdp_preload_mpi.so"
 "${mpirun[@]}" -x LD_PRELOAD="$shim" -x MFSDP_MANIFEST="$out/manifest.json" \
   -x MFSDP_GRAD_DIVIDE=world -x MFSDP_REPORT=1 \
   "$job" "${common[@]}" "${adamw_lr[@]}" --optim adamw >"$out/mfsdp.log" 2>&1

@@ -301,6 +301,122 @@ int ft_comm_allgather(ft_comm_t *comm, const float *send, float *recv, size_t co
 #endif
 }
 
+#if FSDP_TRAIN_NCCL
+/* One group of point-to-point calls between root and every other rank of the shard group:
+ * to_root: each non-root sends its block, root receives one block per peer (a gather);
+ * otherwise root sends block r to rank r, which receives it (a scatter). The group is ended
+ * even when a call inside it failed. */
+static int p2p_rooted(ft_comm_t *comm, const char *sb, char *rb, size_t count, int root,
+                      int to_root)
+{
+    int rank = comm->rank[FT_SHARD], size = comm->size[FT_SHARD];
+    size_t bytes = count * sizeof(float);
+    ncclComm_t nc = comm->nccl[FT_SHARD];
+    int rc = nccl_ok(ncclGroupStart(), "ncclGroupStart");
+    if (rc != 0)
+        return -1;
+    if (rank != root) {
+        rc = to_root
+                 ? nccl_ok(ncclSend(sb, count, ncclFloat32, root, nc, comm->stream), "ncclSend")
+                 : nccl_ok(ncclRecv(rb, count, ncclFloat32, root, nc, comm->stream), "ncclRecv");
+    } else {
+        for (int r = 0; r < size && rc == 0; r++) {
+            if (r == root)
+                continue;
+            size_t off = (size_t)r * bytes;
+            rc = to_root ? nccl_ok(ncclRecv(rb + off, count, ncclFloat32, r, nc, comm->stream),
+                                   "ncclRecv")
+                         : nccl_ok(ncclSend(sb + off, count, ncclFloat32, r, nc, comm->stream),
+                                   "ncclSend");
+        }
+    }
+    rc |= nccl_ok(ncclGroupEnd(), "ncclGroupEnd");
+    return rc == 0 ? 0 : -1;
+}
+#endif
+
+int ft_comm_gather(ft_comm_t *comm, const float *send, float *recv, size_t count, int root)
+{
+    if (comm->local) {
+        memcpy(recv, send, count * sizeof(float));
+        return 0;
+    }
+    int rank = comm->rank[FT_SHARD], size = comm->size[FT_SHARD];
+    if (root < 0 || root >= size) {
+        fprintf(stderr, "fsdp_train: gather to rank %d of a shard group of %d ranks\n", root, size);
+        return -1;
+    }
+#if FSDP_TRAIN_NCCL
+    size_t bytes = count * sizeof(float);
+#if FSDP_TRAIN_CUDA
+    char *ds = dev_buf(comm, 1, bytes);
+    char *dr = rank == root ? dev_buf(comm, 0, bytes * (size_t)size) : NULL;
+    if (ds == NULL || (rank == root && dr == NULL) ||
+        stage(ds, send, bytes, cudaMemcpyHostToDevice, comm) != 0)
+        return -1;
+    if (p2p_rooted(comm, ds, dr, count, root, 1) != 0)
+        return -1;
+    if (rank == root && stage(recv, dr, bytes * (size_t)size, cudaMemcpyDeviceToHost, comm) != 0)
+        return -1;
+#else
+    if (p2p_rooted(comm, (const char *)send, (char *)recv, count, root, 1) != 0)
+        return -1;
+#endif
+    if (rank == root) /* root's own block never travels */
+        memcpy((char *)recv + (size_t)root * bytes, send, bytes);
+    return 0;
+#else
+    (void)rank;
+    if (count_ok(count, (size_t)size, "MPI_Gather") != 0)
+        return -1;
+    return mpi_ok(MPI_Gather(send, (int)count, MPI_FLOAT, recv, (int)count, MPI_FLOAT, root,
+                             comm->mpi[FT_SHARD]),
+                  "MPI_Gather");
+#endif
+}
+
+int ft_comm_scatter(ft_comm_t *comm, const float *send, float *recv, size_t count, int root)
+{
+    if (comm->local) {
+        memcpy(recv, send, count * sizeof(float));
+        return 0;
+    }
+    int rank = comm->rank[FT_SHARD], size = comm->size[FT_SHARD];
+    if (root < 0 || root >= size) {
+        fprintf(stderr, "fsdp_train: scatter from rank %d of a shard group of %d ranks\n", root,
+                size);
+        return -1;
+    }
+#if FSDP_TRAIN_NCCL
+    size_t bytes = count * sizeof(float);
+#if FSDP_TRAIN_CUDA
+    char *ds = rank == root ? dev_buf(comm, 0, bytes * (size_t)size) : NULL;
+    char *dr = rank == root ? NULL : dev_buf(comm, 1, bytes);
+    if (rank == root
+            ? ds == NULL || stage(ds, send, bytes * (size_t)size, cudaMemcpyHostToDevice, comm) != 0
+            : dr == NULL)
+        return -1;
+    if (p2p_rooted(comm, ds, dr, count, root, 0) != 0)
+        return -1;
+    if (rank != root && stage(recv, dr, bytes, cudaMemcpyDeviceToHost, comm) != 0)
+        return -1;
+#else
+    if (p2p_rooted(comm, (const char *)send, (char *)recv, count, root, 0) != 0)
+        return -1;
+#endif
+    if (rank == root) /* root's own block never travels */
+        memcpy(recv, (const char *)send + (size_t)root * bytes, bytes);
+    return 0;
+#else
+    (void)rank;
+    if (count_ok(count, (size_t)size, "MPI_Scatter") != 0)
+        return -1;
+    return mpi_ok(MPI_Scatter(send, (int)count, MPI_FLOAT, recv, (int)count, MPI_FLOAT, root,
+                              comm->mpi[FT_SHARD]),
+                  "MPI_Scatter");
+#endif
+}
+
 #if !FSDP_TRAIN_NCCL
 /* MPI has no average: sum, then divide by the communicator size (FSDP2's sum-then-divide). */
 static void divide_by(float *buf, size_t count, int size)

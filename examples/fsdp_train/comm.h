@@ -5,16 +5,18 @@
  *  - MPI: MPI_Allgather with MPI_IN_PLACE, MPI_Reduce_scatter_block with MPI_SUM (FSDP2's
  *    avg is emulated by a division by the communicator size afterwards: MPI has no average;
  *    a PreMulSum by scaling the contributions first), MPI_Allreduce for HSDP's replicate
- *    reduction (same emulation of avg);
+ *    reduction (same emulation of avg), MPI_Gather / MPI_Scatter for muon-dist;
  *  - NCCL: ncclAllGather in place (send == recv + rank * count), ncclReduceScatter with
  *    ncclAvg, ncclSum or a PreMulSum op created just before and destroyed just after the
- *    call, ncclAllReduce in place for HSDP; MPI only bootstraps (unique-id broadcast) and
+ *    call, ncclAllReduce in place for HSDP, grouped ncclSend/ncclRecv for muon-dist's
+ *    gathers and scatters (NCCL has neither); MPI only bootstraps (unique-id broadcast) and
  *    gathers the final report. Against the test-only NCCL library the buffers are the host
  *    tensors and the stream is NULL; built with FSDP_TRAIN_CUDA=1 (real NCCL) each call
  *    stages its buffers through device memory on a CUDA stream of its own, on device
  *    OMPI_COMM_WORLD_LOCAL_RANK modulo the device count.
  * Three communicators: the world (loss logging), the FSDP shard group (all-gathers,
- * reduce-scatters, the norm all-reduce of gradient clipping, muon-gather's gathers) and the
+ * reduce-scatters, the norm all-reduce of gradient clipping, muon-gather's all-gathers,
+ * muon-dist's gathers and scatters) and the
  * HSDP replicate group. Without a mesh the shard group is the world and the replicate group
  * holds one rank; ft_comm_mesh() splits the world into a 2-D (replicate, shard) mesh as
  * torch's DeviceMesh does: shard groups of size/replicate consecutive ranks, replicate groups
@@ -71,6 +73,21 @@ int ft_comm_allgather_inplace(ft_comm_t *comm, float *recv, size_t count);
 /** Out-of-place all-gather on the shard group (a DTensor full_tensor(), as FSDP2-Muon does
  * per matrix). */
 int ft_comm_allgather(ft_comm_t *comm, const float *send, float *recv, size_t count);
+
+/**
+ * Gather count floats from every rank of the shard group to root (muon-dist: a matrix's
+ * shards to its designated rank). recv (size * count floats, rank-major) is written on root
+ * only. MPI: MPI_Gather. NCCL: one group of ncclSend (non-roots) and ncclRecv (root, one per
+ * peer), as ProcessGroupNCCL's gather does; root copies its own block.
+ */
+int ft_comm_gather(ft_comm_t *comm, const float *send, float *recv, size_t count, int root);
+
+/**
+ * Scatter from root of the shard group: block r (count floats) of root's send (size * count
+ * floats, rank-major) lands in rank r's recv (muon-dist: the orthogonalised update back to
+ * the shards). MPI: MPI_Scatter. NCCL: one group of ncclSend (root) and ncclRecv (others).
+ */
+int ft_comm_scatter(ft_comm_t *comm, const float *send, float *recv, size_t count, int root);
 
 /**
  * Reduce-scatter of count floats per rank on the shard group with op (premul: the scalar of

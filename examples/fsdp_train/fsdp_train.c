@@ -73,7 +73,14 @@
  * Optimizers on the local shards: --optim adamw (every tensor), --optim muon-gather
  * (FSDP2-Muon as done today: each Muon matrix's momentum-smoothed update is all-gathered
  * out of place on every rank, Newton-Schulz runs redundantly everywhere, each rank keeps its
- * rows; AdamW for the other tensors), --optim none (the job under the shim).
+ * rows; AdamW for the other tensors), --optim muon-dist (DMuon / Dion-style distributed
+ * Muon: matrix j, counted over the Muon matrices with a gradient in FSDP parameter order,
+ * belongs to shard rank j mod n; momentum stays sharded with the parameter; per chunk of n
+ * consecutive matrices (Dion's batches) the momentum update's shards are gathered to the
+ * owners (MPI_Gather / grouped ncclSend+ncclRecv), each owner runs Newton-Schulz on its
+ * whole matrix, the orthogonalised updates are scattered back (MPI_Scatter / grouped P2P)
+ * and each rank applies its rows; the same arithmetic as muon-gather, the same trajectory;
+ * AdamW for the other tensors), --optim none (the job under the shim).
  * Muon tensors: the 2-D weights of the blocks (blocks.*.fc1.weight, blocks.*.fc2.weight,
  * blocks.0.gate.weight). AdamW tensors: embed.weight, norm.weight, lm_head.weight,
  * lm_head.bias and every bias (the manifest default rule: >= 2 dims except names matching
@@ -107,7 +114,7 @@
 #define GATE_ROWS    4                   /* rows of blocks.0.gate.weight (--unused collide) */
 #define GATE_STREAM  900                 /* its init stream (the others are 1000 + index) */
 
-typedef enum { OPTIM_NONE, OPTIM_ADAMW, OPTIM_MUON_GATHER } optim_t;
+typedef enum { OPTIM_NONE, OPTIM_ADAMW, OPTIM_MUON_GATHER, OPTIM_MUON_DIST } optim_t;
 typedef enum { UNUSED_NONE, UNUSED_COLLIDE, UNUSED_UNIQUE } unused_t;
 typedef enum { WRAP_DEFAULT, WRAP_TORCHTITAN } wrap_t;
 typedef enum { DIVIDE_DEFAULT, DIVIDE_FP16, DIVIDE_FORCE_SUM } divide_t;
@@ -248,8 +255,13 @@ typedef struct trainer {
     double pre;   /* divide the reduce-scatter input by this (1: no) */
     double post;  /* divide the reduced output by this (1: no) */
     int adam_t;
-    float *mu_u, *mu_gather, *mu_out, *mu_ws; /* muon-gather scratch */
-    int dry;                                  /* dry run: record the calls, compute nothing */
+    float *mu_u, *mu_gather, *mu_out, *mu_ws; /* muon-gather scratch (mu_u, mu_out, mu_ws:
+                                                 muon-dist too) */
+    size_t nmd;     /* muon-dist: Muon matrices with a gradient, in FSDP parameter order */
+    param_t **md_p; /* muon-dist: those matrices */
+    group_t **md_g; /* muon-dist: their groups */
+    float *md_full; /* muon-dist: the gathered matrix this rank owns in the current chunk */
+    int dry;        /* dry run: record the calls, compute nothing */
     call_t *rec;
     size_t nrec, caprec;
     double t[T_COUNT];
@@ -292,7 +304,8 @@ static void usage(FILE *f)
         "usage: fsdp_train_{mpi,nccl} [options]   (run under mpirun; --reference runs alone)\n"
         "  --steps N              training steps (30)\n"
         "  --seed S               seed of data, teacher and init (1)\n"
-        "  --optim O              adamw | muon-gather | none   (muon = muon-gather)\n"
+        "  --optim O              adamw | muon-gather | muon-dist | none\n"
+        "                         (muon = muon-gather)\n"
         "  --lr X                 lr of the main rule: AdamW lr for adamw, Muon lr otherwise\n"
         "  --muon-lr X            Muon lr (0.02)\n"
         "  --adamw-lr X           AdamW lr (0.001)\n"
@@ -561,6 +574,8 @@ static int parse_options(int argc, char **argv, options_t *o)
                 o->optim = OPTIM_ADAMW;
             else if (strcmp(optarg, "muon-gather") == 0 || strcmp(optarg, "muon") == 0)
                 o->optim = OPTIM_MUON_GATHER;
+            else if (strcmp(optarg, "muon-dist") == 0)
+                o->optim = OPTIM_MUON_DIST;
             else if (strcmp(optarg, "none") == 0)
                 o->optim = OPTIM_NONE;
             else
@@ -722,7 +737,7 @@ static int parse_options(int argc, char **argv, options_t *o)
         return -1;
     }
     if (o->lr_set) {
-        if (o->optim == OPTIM_MUON_GATHER)
+        if (o->optim == OPTIM_MUON_GATHER || o->optim == OPTIM_MUON_DIST)
             o->muon_lr = o->lr;
         else
             o->adamw_lr = o->lr;
@@ -1222,19 +1237,27 @@ static void backward(trainer_t *T, int last)
 
 /* ---- optimizers ------------------------------------------------------------------------ */
 
-/* FSDP2-Muon: momentum on the local rows, all-gather the smoothed update, Newton-Schulz on
- * the whole matrix on every rank, keep this rank's rows. */
-static void muon_gather_param(trainer_t *T, group_t *g, param_t *p, float lr)
+/* The momentum update of a Muon matrix on this rank's valid rows (momentum is sharded with
+ * the parameter); T->mu_u receives the nesterov update, zero over the padding rows. */
+static void muon_momentum(trainer_t *T, const group_t *g, param_t *p)
 {
     size_t nvalid = p->lrows * p->cols;
     const float *grad = g->gshard + p->o;
-    float *w = g->shard + p->o;
     const float beta = FT_MUON_MOMENTUM;
     memset(T->mu_u, 0, p->s * sizeof(float));
     for (size_t k = 0; k < nvalid; k++) {
         p->mom[k] = beta * p->mom[k] + (1.0f - beta) * grad[k];
         T->mu_u[k] = (1.0f - beta) * grad[k] + beta * p->mom[k]; /* nesterov */
     }
+}
+
+/* FSDP2-Muon: momentum on the local rows, all-gather the smoothed update, Newton-Schulz on
+ * the whole matrix on every rank, keep this rank's rows. */
+static void muon_gather_param(trainer_t *T, group_t *g, param_t *p, float lr)
+{
+    size_t nvalid = p->lrows * p->cols;
+    float *w = g->shard + p->o;
+    muon_momentum(T, g, p);
     double t0 = now();
     if (ft_comm_allgather(T->comm, T->mu_u, T->mu_gather, p->s) != 0)
         fatal_comm(T);
@@ -1253,6 +1276,62 @@ static void muon_gather_param(trainer_t *T, group_t *g, param_t *p, float lr)
         w[k] = w[k] * decay - lr * u[k];
 }
 
+/*
+ * DMuon / Dion-style distributed Muon over the shard group. Matrix j (the Muon matrices that
+ * got a gradient, in FSDP parameter order) belongs to rank j mod n; the matrices are taken
+ * in chunks of n consecutive ones (chunk k: j = k n .. k n + n - 1, rank i owns the i-th),
+ * as Dion's Muon batches them, so a rank holds one gathered matrix at a time. Per chunk:
+ *   1. per matrix: momentum on the local rows (sharded with the parameter), then a gather of
+ *      the padded shards of the nesterov update to the owner (rank-major c-row chunks: the
+ *      first N0 rows are the matrix, the padding rows are zero);
+ *   2. every owner runs Newton-Schulz on its matrix of the chunk (in parallel), in place in
+ *      the gathered buffer (the padding rows stay zero);
+ *   3. per matrix: a scatter of the orthogonalised update from the owner; each rank applies
+ *      its rows (decoupled weight decay, then -lr * update), as muon-gather does.
+ * Same arithmetic as muon-gather on the same matrix, only placed on one rank:
+ * optim_comm = the gathers and scatters (a scatter includes waiting for its owner's
+ * Newton-Schulz), optim_ns = this rank's Newton-Schulz.
+ */
+static void muon_dist_step(trainer_t *T, float lr)
+{
+    size_t n = (size_t)T->n;
+    double tc = 0.0, tn = 0.0;
+    for (size_t c0 = 0; c0 < T->nmd; c0 += n) {
+        size_t c1 = c0 + n < T->nmd ? c0 + n : T->nmd;
+        for (size_t j = c0; j < c1; j++) {
+            muon_momentum(T, T->md_g[j], T->md_p[j]);
+            double t0 = now();
+            if (ft_comm_gather(T->comm, T->mu_u, T->md_full, T->md_p[j]->s, (int)(j - c0)) != 0)
+                fatal_comm(T);
+            tc += now() - t0;
+        }
+        size_t own = c0 + (size_t)T->rank;
+        if (own < c1) {
+            const param_t *p = T->md_p[own];
+            double t0 = now();
+            if (ft_newton_schulz(p->rows, p->cols, T->md_full, T->mu_out, T->mu_ws) != 0) {
+                fprintf(stderr, "fsdp_train: matrix %s too large\n", p->name);
+                ft_comm_abort(T->comm, 1);
+            }
+            memcpy(T->md_full, T->mu_out, p->rows * p->cols * sizeof(float));
+            tn += now() - t0;
+        }
+        for (size_t j = c0; j < c1; j++) {
+            param_t *p = T->md_p[j];
+            double t0 = now();
+            if (ft_comm_scatter(T->comm, T->md_full, T->mu_u, p->s, (int)(j - c0)) != 0)
+                fatal_comm(T);
+            tc += now() - t0;
+            float *w = T->md_g[j]->shard + p->o;
+            float decay = 1.0f - lr * (float)T->o.wd;
+            for (size_t k = 0; k < p->lrows * p->cols; k++)
+                w[k] = w[k] * decay - lr * T->mu_u[k];
+        }
+    }
+    T->t[T_OPTIM_COMM] += tc;
+    T->t[T_OPTIM_NS] += tn;
+}
+
 static void optimizer_step(trainer_t *T)
 {
     if (T->o.optim == OPTIM_NONE)
@@ -1269,11 +1348,15 @@ static void optimizer_step(trainer_t *T)
                 continue;
             if (T->o.optim == OPTIM_MUON_GATHER && p->muon)
                 muon_gather_param(T, g, p, muon_lr);
+            else if (T->o.optim == OPTIM_MUON_DIST && p->muon)
+                continue; /* below, all matrices together */
             else
                 ft_adamw_update(p->lrows * p->cols, g->shard + p->o, g->gshard + p->o, p->m, p->v,
                                 T->adam_t, adamw_lr, (float)T->o.adamw_eps, (float)T->o.wd);
         }
     }
+    if (T->o.optim == OPTIM_MUON_DIST)
+        muon_dist_step(T, muon_lr);
 }
 
 /*
@@ -1346,6 +1429,35 @@ static void alloc_muon_scratch(trainer_t *T)
     T->mu_ws = xcalloc(max_ws, sizeof(float));
 }
 
+/* muon-dist: the Muon matrices with a gradient in FSDP parameter order, the shared scratch
+ * (momentum update, Newton-Schulz output and workspace) and one gathered buffer (n * s
+ * floats, the largest s: the matrix this rank owns in the current chunk). */
+static void alloc_muon_dist(trainer_t *T)
+{
+    size_t max_s = 0, max_numel = 0, max_ws = 0, nmd = 0;
+    for (size_t gi = 0; gi < T->ngroups; gi++)
+        for (size_t i = 0; i < T->g[gi].np; i++)
+            nmd += T->g[gi].p[i].muon && T->g[gi].p[i].used;
+    T->md_p = xcalloc(nmd ? nmd : 1, sizeof(param_t *));
+    T->md_g = xcalloc(nmd ? nmd : 1, sizeof(group_t *));
+    for (size_t gi = 0; gi < T->ngroups; gi++)
+        for (size_t i = 0; i < T->g[gi].np; i++) {
+            param_t *p = &T->g[gi].p[i];
+            if (!p->muon || !p->used)
+                continue;
+            T->md_g[T->nmd] = &T->g[gi];
+            T->md_p[T->nmd++] = p;
+            max_s = p->s > max_s ? p->s : max_s;
+            max_numel = p->rows * p->cols > max_numel ? p->rows * p->cols : max_numel;
+            size_t ws = ft_ns_workspace(p->rows, p->cols);
+            max_ws = ws > max_ws ? ws : max_ws;
+        }
+    T->mu_u = xcalloc(max_s ? max_s : 1, sizeof(float));
+    T->mu_out = xcalloc(max_numel ? max_numel : 1, sizeof(float));
+    T->mu_ws = xcalloc(max_ws ? max_ws : 1, sizeof(float));
+    T->md_full = xcalloc((size_t)T->n * (max_s ? max_s : 1), sizeof(float));
+}
+
 /* ---- reduction ------------------------------------------------------------------------- */
 
 /*
@@ -1385,7 +1497,10 @@ static void choose_reduction(trainer_t *T)
 
 static const char *optim_name(optim_t o)
 {
-    return o == OPTIM_ADAMW ? "adamw" : o == OPTIM_MUON_GATHER ? "muon-gather" : "none";
+    return o == OPTIM_ADAMW         ? "adamw"
+           : o == OPTIM_MUON_GATHER ? "muon-gather"
+           : o == OPTIM_MUON_DIST   ? "muon-dist"
+                                    : "none";
 }
 
 /* A training pass: forward and backward of one micro-batch. */
@@ -1746,6 +1861,9 @@ static void trainer_destroy(trainer_t *T)
                      T->ds,     T->da,   T->mu_u, T->mu_gather, T->mu_out, T->mu_ws};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         free(bufs[i]);
+    free(T->md_full);
+    free(T->md_p);
+    free(T->md_g);
     free(T->tokens);
     ft_teacher_destroy(T->teacher);
 }
@@ -1833,6 +1951,8 @@ int main(int argc, char **argv)
     alloc_activations(&T);
     if (T.o.optim == OPTIM_MUON_GATHER)
         alloc_muon_scratch(&T);
+    else if (T.o.optim == OPTIM_MUON_DIST)
+        alloc_muon_dist(&T);
     if (T.wrank == 0) {
         print_header(&T);
         if (T.o.manifest_path != NULL && write_manifest(&T, T.o.manifest_path) != 0)

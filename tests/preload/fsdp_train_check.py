@@ -12,6 +12,16 @@
   premul N     with --divide-factor 3 (FSDP2's PREMUL_SUM(1/3) reduce-scatter, created right
                before each call) both flavours are bitwise equal, the wire carries PreMulSum
                ops, and AdamW matches the --reference run (1e-5).
+  muon-dist N  --optim muon-dist (DMuon-style: matrix j's momentum update gathered to rank
+               j mod N, Newton-Schulz there, the update scattered back, in chunks of N
+               matrices) against --optim
+               muon-gather at N ranks, also with an unused Muon matrix (--unused collide):
+               every tensor and every loss within DIST_TOL relative (same arithmetic, another
+               placement; in practice bitwise); the NCCL flavour is bitwise equal to the MPI
+               flavour and its wire is the AdamW run's FSDP calls plus, per step, exactly the
+               gathers and scatters that round-robin placement gives (ncclSend/ncclRecv of
+               each matrix's padded shard count S; per chunk of N matrices the gathers, then
+               the scatters) and no optimizer all-gather.
   manifest N   the manifest written at N ranks is valid mfsdp-manifest/1 JSON whose groups,
                shapes, optimizer roles and call sequence match the job's FSDP2 layout, and
                the NCCL flavour's calls on the wire (traced by the test-only NCCL library)
@@ -56,6 +66,9 @@ import tempfile
 MPIRUN_FLAGS = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
 COMMON = ["--model", "small", "--seed", "7"]
 TOL = 1e-5
+# muon-dist vs muon-gather: the same float32 operations on the same values (NS on the
+# same gathered matrix); only a BLAS whose results depended on buffer placement could differ.
+DIST_TOL = 1e-6
 
 
 def skip(why):
@@ -213,6 +226,86 @@ def cmd_premul(args, tmp):
             raise SystemExit(f"FAIL: rank {rk}: reduce-scatter ops {sorted(set(ops))}")
     reference(args, args.np, extra, r)
     compare(a, r, TOL, f"premul adamw at {args.np} ranks vs single-process reference")
+
+
+def dist_p2p_expected(shapes, n, rank, steps):
+    """The P2P calls of --optim muon-dist on one rank, in issue order, as trace lines
+    without the stream: per step, per chunk of n consecutive Muon matrices, a gather of each
+    to its owner (j mod n), then a scatter of each from its owner. The owner's own block does
+    not travel."""
+    one = []
+    for c0 in range(0, len(shapes), n):
+        chunk = list(enumerate(shapes))[c0:c0 + n]
+        for phase in ("gather", "scatter"):
+            for j, shape in chunk:
+                owner, s = j % n, shard_numel(shape, n)
+                to_owner = phase == "gather"
+                if rank != owner:
+                    one.append(f"{'send' if to_owner else 'recv'} {s} 7 0 0 {n}")
+                else:
+                    kind = "recv" if to_owner else "send"
+                    one += [f"{kind} {s} 7 0 0 {n}"] * (n - 1)
+    return one * steps
+
+
+def cmd_muon_dist(args, tmp):
+    steps = 12
+    for flags in ([], ["--unused", "collide"]):
+        tag = " ".join(flags) or "plain"
+        extra = ["--steps", str(steps), "--adamw-eps", "1e-3"] + flags
+        g = os.path.join(tmp, "gather.bin")
+        d = os.path.join(tmp, "dist.bin")
+        out_g = job(args, args.mpi_exe, args.np, extra + ["--optim", "muon-gather"], g, "gather")
+        out_d = job(args, args.mpi_exe, args.np, extra + ["--optim", "muon-dist"], d, "dist")
+        if "optim muon-dist" not in out_d:
+            raise SystemExit("FAIL: the job did not report optim muon-dist")
+        compare(d, g, DIST_TOL, f"muon-dist vs muon-gather ({tag}) at {args.np} ranks")
+        close_traces([float(x) for x in losses(out_d)], [float(x) for x in losses(out_g)],
+                     f"muon-dist vs muon-gather losses ({tag})", DIST_TOL)
+        if len(losses(out_d)) != steps:
+            raise SystemExit(f"FAIL: {len(losses(out_d))} step lines, want {steps}")
+        fd, fg = (float(re.search(r"^final eval_loss (\S+)", o, re.M).group(1))
+                  for o in (out_d, out_g))
+        if abs(fd - fg) > DIST_TOL * max(1.0, abs(fg)):
+            raise SystemExit(f"FAIL: final eval loss {fd} (muon-dist) vs {fg} (muon-gather)")
+        z = os.path.join(tmp, "zero.bin")
+        job(args, args.mpi_exe, args.np, ["--steps", "0"] + flags, z, "zero")
+        check_changed(d, z, f"muon-dist ({tag})")
+        print(f"ok: muon-dist ({tag}) at {args.np} ranks: {steps} losses, final eval loss "
+              f"{fd:.7f} vs {fg:.7f}")
+        if not args.nccl_exe:
+            print("note: fsdp_train_nccl was not built: the NCCL flavour's wire is not checked")
+            continue
+        nd = os.path.join(tmp, "nccl-dist.bin")
+        na = os.path.join(tmp, "nccl-adamw.bin")
+        cmd = [args.mpirun, "-np", str(args.np)] + MPIRUN_FLAGS + [args.nccl_exe] + COMMON
+        tr_d, tr_a = os.path.join(tmp, "trace-dist"), os.path.join(tmp, "trace-adamw")
+        for path in [f"{t}.{rk}" for t in (tr_d, tr_a) for rk in range(args.np)]:
+            if os.path.exists(path):
+                os.remove(path)  # the library appends
+        run(cmd + extra + ["--optim", "muon-dist", "--dump-weights", nd], nd + ".log",
+            dict(os.environ, FAKE_NCCL_TRACE=tr_d))
+        run(cmd + extra + ["--optim", "adamw", "--dump-weights", na], na + ".log",
+            dict(os.environ, FAKE_NCCL_TRACE=tr_a))
+        compare(d, nd, 0.0, f"muon-dist mpi vs nccl flavour ({tag}) at {args.np} ranks")
+        specs, _ = load(d)
+        unused = {"blocks.0.gate.weight"} if "collide" in flags else set()
+        mats = [shape for name, shape in specs
+                if re.fullmatch(r"blocks\.\d+\.(fc1|fc2|gate)\.weight", name)
+                and name not in unused]
+        for rk in range(args.np):
+            wd, wa = wire_lines(f"{tr_d}.{rk}"), wire_lines(f"{tr_a}.{rk}")
+            p2p = [x for x in wd if x.split()[0] in ("send", "recv")]
+            rest = [x for x in wd if x.split()[0] not in ("send", "recv")]
+            if rest != wa:
+                raise SystemExit(f"FAIL: rank {rk}: muon-dist's collectives are not exactly the "
+                                 f"AdamW run's ({len(rest)} vs {len(wa)} calls)")
+            want = dist_p2p_expected(mats, args.np, rk, steps)
+            if p2p != want:
+                raise SystemExit(f"FAIL: rank {rk}: muon-dist's P2P calls ({len(p2p)}) are not "
+                                 f"the round-robin gathers and scatters ({len(want)})")
+        print(f"ok: muon-dist ({tag}) NCCL wire at {args.np} ranks: {len(mats)} matrices, "
+              f"round-robin gathers then scatters per chunk, no optimizer all-gather")
 
 
 def cmd_manifest(args, tmp):
@@ -892,7 +985,8 @@ def cmd_errors(args, tmp):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["flavours", "adamw", "muon", "premul", "manifest", "mode",
+    ap.add_argument("mode", choices=["flavours", "adamw", "muon", "muon-dist", "premul", "manifest",
+                                     "mode",
                                      "unused-counts", "errors"])
     ap.add_argument("--case", choices=sorted(CASES), help="with mode: the FSDP2 situation")
     ap.add_argument("--np", type=int, default=1)
@@ -908,6 +1002,8 @@ def main():
             cmd_vs_reference(args, tmp, "adamw")
         elif args.mode == "muon":
             cmd_vs_reference(args, tmp, "muon-gather")
+        elif args.mode == "muon-dist":
+            cmd_muon_dist(args, tmp)
         elif args.mode == "premul":
             cmd_premul(args, tmp)
         elif args.mode == "manifest":
