@@ -527,7 +527,8 @@ typedef struct coll_state {
     "  -d, --datatype T           float or bfloat16 (default bfloat16)\n"                          \
     "  -o, --op sum               reduction (sum only)\n"                                          \
     "      --segments K           K owner segments of equal size (default 8)\n"                    \
-    "      --manifest FILE        segments in the proportions of the manifest's largest group\n"   \
+    "      --manifest FILE        segments: the params of the manifest's group with the most "     \
+    "params\n"                                                                                     \
     "      --algo A               direct, chain, native, auto or all (default all, in turn)\n"     \
     "  env MFSDP_PERF_CORRUPT=1   test only: flip one element of mfsdp's result (#wrong > 0)\n"
 
@@ -699,8 +700,9 @@ static char *coll_manifest_json(const coll_case_t *c)
     return s;
 }
 
-/* Segment weights: equal (--segments K) or the element counts of the manifest's largest
- * group (the block layout, e.g. one Llama block: q, k, v, o, gate, up, down, two norms). */
+/* Segment weights: equal (--segments K) or the element counts of the params of the
+ * manifest's group with the most params (the block layout, e.g. one Llama block: q, k, v, o, gate,
+ * up, down, two norms). */
 static int coll_weights(const coll_state_t *st, double *w, int *nseg)
 {
     if (st->manifest == NULL) {
@@ -716,6 +718,8 @@ static int coll_weights(const coll_state_t *st, double *w, int *nseg)
         fprintf(stderr, "mfsdp-perf: manifest %s: %s\n", st->manifest, err);
         return -1;
     }
+    /* The group with the most params (a transformer block, not the root group of the
+     * embeddings), the first of those with the most elements. */
     size_t best = 0;
     double best_n = -1;
     for (size_t g = 0; g < m->ngroups; g++) {
@@ -723,7 +727,8 @@ static int coll_weights(const coll_state_t *st, double *w, int *nseg)
         for (size_t i = 0; i < m->groups[g].nparams; i++) {
             tot += (double)m->groups[g].params[i].numel;
         }
-        if (tot > best_n) {
+        const size_t np = m->groups[g].nparams, bp = m->groups[best].nparams;
+        if (best_n < 0 || np > bp || (np == bp && tot > best_n)) {
             best_n = tot;
             best = g;
         }
@@ -1505,7 +1510,10 @@ static int opt_run(const perf_opts_t *o, void *state)
                 opt_init_mat(&x.mat[i], i, tmp);
             }
         }
-        for (int s = 0; s < 3 && rc == 0; s++) {
+        /* The order of the systems rotates from run to run, so that a load change on a
+         * shared machine does not always hit the same one. */
+        for (int q = 0; q < 3 && rc == 0; q++) {
+            const int s = (q + it) % 3;
             double comm = 0, comp = 0;
             MPI_Barrier(MPI_COMM_WORLD);
             const double t0 = now_s();
@@ -1536,8 +1544,8 @@ static int opt_run(const perf_opts_t *o, void *state)
         FILE *hdr = o->json ? stderr : stdout;
         fprintf(hdr,
                 "# mfsdp-perf optstep: %s, %zu Muon matrices (%.1f MB fp32), %d ranks, "
-                "%d NS steps, %d timed run(s) (median of the slowest rank), %d warm-up, "
-                "check %d\n",
+                "%d NS steps, %d timed run(s) (median of the slowest rank; order rotated), "
+                "%d warm-up, check %d\n",
                 st->manifest, x.nmat, muon_bytes * 1e-6, g_world, x.hp.ns_steps, o->iters,
                 o->warmup, o->check);
         fprintf(hdr,
