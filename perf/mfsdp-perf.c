@@ -668,14 +668,24 @@ static float get_elt(const void *buf, mfsdp_dtype_t dt, size_t e)
                                : mfsdp_bf16_to_f32(((const uint16_t *)buf)[e]);
 }
 
-/* bfloat16 sum for MPI_Reduce_scatter_block (MPI has no bfloat16 type): fp32 add, round. */
+/* bfloat16 sum for MPI_Reduce_scatter_block (MPI has no bfloat16 type): widen, add in fp32,
+ * round to nearest even (kernels/cpu/cast.c's rule), inline so that the loop vectorizes as
+ * a job's own op would. */
 static void bf16_sum(void *in, void *inout, int *len, MPI_Datatype *dt)
 {
     (void)dt;
     const uint16_t *a = in;
     uint16_t *b = inout;
     for (int i = 0; i < *len; i++) {
-        b[i] = mfsdp_f32_to_bf16(mfsdp_bf16_to_f32(a[i]) + mfsdp_bf16_to_f32(b[i]));
+        const uint32_t ua = (uint32_t)a[i] << 16, ub = (uint32_t)b[i] << 16;
+        float fa, fb;
+        memcpy(&fa, &ua, sizeof(fa));
+        memcpy(&fb, &ub, sizeof(fb));
+        const float f = fa + fb;
+        uint32_t u;
+        memcpy(&u, &f, sizeof(u));
+        b[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x0040u)
+                                               : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     }
 }
 
