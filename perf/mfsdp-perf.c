@@ -1685,7 +1685,7 @@ static void usage(FILE *f, const perf_subcmd_t *sub)
     if (sub == NULL) {
         fprintf(f, "usage: mfsdp-perf <subcommand> [flags]\nsubcommands:\n");
         for (size_t i = 0; i < NSUBCMDS; i++) {
-            fprintf(f, "  %-6s %s\n", subcmds[i].name, subcmds[i].summary);
+            fprintf(f, "  %-14s %s\n", subcmds[i].name, subcmds[i].summary);
         }
         fprintf(f, "run 'mfsdp-perf <subcommand> -h' for its flags\n");
         return;
