@@ -11,8 +11,13 @@
  * -J/--json machine-readable lines. Subcommands add their own flags.
  *
  * Subcommands:
- *   ns   CPU Newton-Schulz (mfsdp_cpu_newton_schulz) against raw sgemm calls of the same
- *        GEMM shapes, per matrix shape.
+ *   ns            CPU Newton-Schulz (mfsdp_cpu_newton_schulz) against raw sgemm calls of the
+ *                 same GEMM shapes, per matrix shape.
+ *   allgather     (mpirun) MPI_Allgather vs mfsdp_ctx_allgather (owner-broadcast) on one
+ *                 FSDP-layout buffer of K owner segments, every algorithm in turn.
+ *   reducescatter (mpirun) MPI_Reduce_scatter_block vs mfsdp_ctx_reduce (reduce-to-owner).
+ *   optstep       (mpirun) the Muon step of a manifest's matrices: mfsdp owners vs
+ *                 FSDP2-Muon (gather everywhere) vs DMuon-style (gather to one rank).
  */
 #include <errno.h>
 #include <getopt.h>
@@ -25,6 +30,14 @@
 
 #include "mfsdp/kernels.h"
 #include "mfsdp_config.h"
+
+#if MFSDP_HAVE_MPI
+#include <mpi.h>
+
+#include "mfsdp/manifest.h"
+#include "mfsdp/plan.h"
+#include "mfsdp/runtime_mpi.h"
+#endif
 
 #if MFSDP_HAVE_BLAS
 #include <cblas.h>
@@ -55,6 +68,7 @@ typedef struct perf_subcmd {
     void (*defaults)(void *state);
     int (*parse_opt)(void *state, int opt, const char *arg); /* 0 ok, -1 bad value */
     int (*run)(const perf_opts_t *common, void *state);      /* process exit status */
+    int mpi; /* 1: runs under mpirun (MPI_Init before run, MPI_Finalize after) */
 } perf_subcmd_t;
 
 static double now_s(void)
@@ -422,6 +436,1184 @@ static int ns_run(const perf_opts_t *o, void *state)
     return rc;
 }
 
+#if MFSDP_HAVE_MPI
+/* ---------------------------------------------------------------------------------------
+ * MPI helpers (allgather, reducescatter, optstep)
+ */
+
+static int g_rank, g_world;
+
+/* Median over timed runs of the slowest rank's time of each run. */
+static double run_max(double t)
+{
+    double m = t;
+    MPI_Allreduce(&t, &m, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    return m;
+}
+
+static long sum_long(long v)
+{
+    long s = v;
+    MPI_Allreduce(&v, &s, 1, MPI_LONG, MPI_SUM, MPI_COMM_WORLD);
+    return s;
+}
+
+/* Test-only: MFSDP_PERF_CORRUPT=1 flips one element of mfsdp's result on rank 0 after the
+ * collective, so that tests can prove that the harness's check fails. */
+static int corrupt_requested(void)
+{
+    const char *e = getenv("MFSDP_PERF_CORRUPT");
+    return e != NULL && strcmp(e, "1") == 0;
+}
+
+static int parse_size(const char *arg, size_t *out)
+{
+    char *end;
+    errno = 0;
+    const double v = strtod(arg, &end);
+    if (errno != 0 || end == arg || !(v > 0)) {
+        return -1;
+    }
+    double mul = 1;
+    switch (*end) {
+    case 'K':
+    case 'k':
+        mul = 1024.0;
+        end++;
+        break;
+    case 'M':
+    case 'm':
+        mul = 1048576.0;
+        end++;
+        break;
+    case 'G':
+    case 'g':
+        mul = 1073741824.0;
+        end++;
+        break;
+    default:
+        break;
+    }
+    if (*end != '\0' || v * mul > 68719476736.0) {
+        return -1;
+    }
+    *out = (size_t)(v * mul);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * allgather / reducescatter: native MPI collective vs mfsdp owner collective on one
+ * FSDP-layout buffer
+ */
+
+#define COLL_MAX_SEGS 256
+#define COLL_COLS     64 /* columns of every synthesized segment matrix */
+
+typedef struct coll_state {
+    int reduce; /* 0 allgather, 1 reducescatter */
+    size_t minbytes, maxbytes;
+    int factor;
+    mfsdp_dtype_t dtype;
+    int segments;
+    const char *manifest;
+    int algo; /* -1: every algorithm in turn */
+} coll_state_t;
+
+#define COLL_USAGE                                                                                 \
+    "  -b, --minbytes N[K|M|G]    smallest buffer (whole gathered / reduced buffer; default "      \
+    "1M)\n"                                                                                        \
+    "  -e, --maxbytes N[K|M|G]    largest buffer (default 64M)\n"                                  \
+    "  -f, --stepfactor F         size multiplier (default 2)\n"                                   \
+    "  -d, --datatype T           float or bfloat16 (default bfloat16)\n"                          \
+    "  -o, --op sum               reduction (sum only)\n"                                          \
+    "      --segments K           K owner segments of equal size (default 8)\n"                    \
+    "      --manifest FILE        segments: the params of the manifest's group with the most "     \
+    "params\n"                                                                                     \
+    "      --algo A               direct, chain, native, auto or all (default all, in turn)\n"     \
+    "  env MFSDP_PERF_CORRUPT=1   test only: flip one element of mfsdp's result (#wrong > 0)\n"
+
+static const struct option coll_long_opts[] = {
+    {"minbytes", required_argument, NULL, 'b'},
+    {"maxbytes", required_argument, NULL, 'e'},
+    {"stepfactor", required_argument, NULL, 'f'},
+    {"datatype", required_argument, NULL, 'd'},
+    {"op", required_argument, NULL, 'o'},
+    {"segments", required_argument, NULL, 'K'},
+    {"manifest", required_argument, NULL, 'M'},
+    {"algo", required_argument, NULL, 'A'},
+    {NULL, 0, NULL, 0},
+};
+
+static const char *algo_str(mfsdp_algo_t a)
+{
+    return a == MFSDP_ALGO_DIRECT   ? "direct"
+           : a == MFSDP_ALGO_CHAIN  ? "chain"
+           : a == MFSDP_ALGO_NATIVE ? "native"
+                                    : "auto";
+}
+
+static void coll_defaults(void *state)
+{
+    coll_state_t *st = state;
+    st->minbytes = 1u << 20;
+    st->maxbytes = 64u << 20;
+    st->factor = 2;
+    st->dtype = MFSDP_BFLOAT16;
+    st->segments = 8;
+    st->manifest = NULL;
+    st->algo = -1;
+}
+
+static void allgather_defaults(void *state)
+{
+    coll_defaults(state);
+}
+
+static void reducescatter_defaults(void *state)
+{
+    coll_defaults(state);
+    ((coll_state_t *)state)->reduce = 1;
+}
+
+static int coll_parse_opt(void *state, int opt, const char *arg)
+{
+    coll_state_t *st = state;
+    switch (opt) {
+    case 'b':
+        return parse_size(arg, &st->minbytes);
+    case 'e':
+        return parse_size(arg, &st->maxbytes);
+    case 'f':
+        return parse_int(arg, 2, &st->factor);
+    case 'd':
+        if (strcmp(arg, "float") == 0) {
+            st->dtype = MFSDP_FLOAT32;
+        } else if (strcmp(arg, "bfloat16") == 0) {
+            st->dtype = MFSDP_BFLOAT16;
+        } else {
+            return -1;
+        }
+        return 0;
+    case 'o':
+        return strcmp(arg, "sum") == 0 ? 0 : -1;
+    case 'K':
+        if (parse_int(arg, 1, &st->segments) != 0 || st->segments > COLL_MAX_SEGS) {
+            return -1;
+        }
+        return 0;
+    case 'M':
+        st->manifest = arg;
+        return 0;
+    case 'A':
+        if (strcmp(arg, "all") == 0) {
+            st->algo = -1;
+        } else if (strcmp(arg, "direct") == 0) {
+            st->algo = MFSDP_ALGO_DIRECT;
+        } else if (strcmp(arg, "chain") == 0) {
+            st->algo = MFSDP_ALGO_CHAIN;
+        } else if (strcmp(arg, "native") == 0) {
+            st->algo = MFSDP_ALGO_NATIVE;
+        } else if (strcmp(arg, "auto") == 0) {
+            st->algo = MFSDP_ALGO_AUTO;
+        } else {
+            return -1;
+        }
+        return 0;
+    default:
+        return -1;
+    }
+}
+
+/* One size of the benchmark: K segment matrices [rows_i, COLL_COLS], rows_i a multiple of
+ * the world size (no padding rows), in one group: the FSDP per-rank block is S bytes,
+ * segment i at byte offset off[i] with c_i = rows_i / n rows per rank. */
+typedef struct coll_case {
+    int reduce;
+    mfsdp_dtype_t dt;
+    size_t elt;
+    int nseg;
+    int64_t rows[COLL_MAX_SEGS];
+    size_t off[COLL_MAX_SEGS]; /* elements in the per-rank block */
+    size_t sel;                /* elements of one per-rank block */
+    size_t S;                  /* bytes of one per-rank block */
+    mfsdp_ctx_h ctx;
+    char *send;  /* allgather: S; reducescatter: n * S */
+    char *recv;  /* allgather: n * S; reducescatter: S */
+    char *recv2; /* in-place buffer: n * S */
+    MPI_Datatype mtype;
+    MPI_Op mop;
+    int corrupt;
+    mfsdp_manifest_t *manifest;
+} coll_case_t;
+
+/* Rank r's value of element e (in the per-rank block, or in block j of a reduce-scatter
+ * input): small integers, exact in bfloat16, and their sum over <= 16 ranks too. */
+static float fill_val(int r, int j, size_t e)
+{
+    return (float)((int)((e * 7u + (size_t)r * 13u + (size_t)j * 5u) % 17u) - 8);
+}
+
+static void put_elt(void *buf, mfsdp_dtype_t dt, size_t e, float v)
+{
+    if (dt == MFSDP_FLOAT32) {
+        ((float *)buf)[e] = v;
+    } else {
+        ((uint16_t *)buf)[e] = mfsdp_f32_to_bf16(v);
+    }
+}
+
+static float get_elt(const void *buf, mfsdp_dtype_t dt, size_t e)
+{
+    return dt == MFSDP_FLOAT32 ? ((const float *)buf)[e]
+                               : mfsdp_bf16_to_f32(((const uint16_t *)buf)[e]);
+}
+
+/* bfloat16 sum for MPI_Reduce_scatter_block (MPI has no bfloat16 type): widen, add in fp32,
+ * round to nearest even (kernels/cpu/cast.c's rule), inline so that the loop vectorizes as
+ * a job's own op would. */
+static void bf16_sum(void *in, void *inout, int *len, MPI_Datatype *dt)
+{
+    (void)dt;
+    const uint16_t *a = in;
+    uint16_t *b = inout;
+    for (int i = 0; i < *len; i++) {
+        const uint32_t ua = (uint32_t)a[i] << 16, ub = (uint32_t)b[i] << 16;
+        float fa, fb;
+        memcpy(&fa, &ua, sizeof(fa));
+        memcpy(&fb, &ub, sizeof(fb));
+        const float f = fa + fb;
+        uint32_t u;
+        memcpy(&u, &f, sizeof(u));
+        b[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x0040u)
+                                               : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
+/* The synthesized manifest of a case: one group "bench" of K Muon matrices. */
+static char *coll_manifest_json(const coll_case_t *c)
+{
+    const size_t cap = 256 + (size_t)c->nseg * 128;
+    char *s = malloc(cap);
+    if (s == NULL) {
+        return NULL;
+    }
+    const char *dts = c->dt == MFSDP_FLOAT32 ? "float32" : "bfloat16";
+    size_t n = (size_t)snprintf(s, cap,
+                                "{\"format\": \"mfsdp-manifest/1\", \"groups\": [{\"name\": "
+                                "\"bench\", \"params\": [");
+    for (int i = 0; i < c->nseg; i++) {
+        n += (size_t)snprintf(s + n, cap - n,
+                              "%s{\"name\": \"seg%d\", \"shape\": [%lld, %d], \"dtype\": \"%s\"}",
+                              i ? ", " : "", i, (long long)c->rows[i], COLL_COLS, dts);
+    }
+    snprintf(s + n, cap - n, "]}]}");
+    return s;
+}
+
+/* Segment weights: equal (--segments K) or the element counts of the params of the
+ * manifest's group with the most params (the block layout, e.g. one Llama block: q, k, v, o, gate,
+ * up, down, two norms). */
+static int coll_weights(const coll_state_t *st, double *w, int *nseg)
+{
+    if (st->manifest == NULL) {
+        *nseg = st->segments;
+        for (int i = 0; i < *nseg; i++) {
+            w[i] = 1.0 / *nseg;
+        }
+        return 0;
+    }
+    char err[256] = "";
+    mfsdp_manifest_t *m = NULL;
+    if (mfsdp_manifest_load(st->manifest, err, sizeof(err), &m) != MFSDP_OK) {
+        fprintf(stderr, "mfsdp-perf: manifest %s: %s\n", st->manifest, err);
+        return -1;
+    }
+    /* The group with the most params (a transformer block, not the root group of the
+     * embeddings), the first of those with the most elements. */
+    size_t best = 0;
+    double best_n = -1;
+    for (size_t g = 0; g < m->ngroups; g++) {
+        double tot = 0;
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            tot += (double)m->groups[g].params[i].numel;
+        }
+        const size_t np = m->groups[g].nparams, bp = m->groups[best].nparams;
+        if (best_n < 0 || np > bp || (np == bp && tot > best_n)) {
+            best_n = tot;
+            best = g;
+        }
+    }
+    const mfsdp_group_desc_t *g = &m->groups[best];
+    if (g->nparams > COLL_MAX_SEGS) {
+        fprintf(stderr, "mfsdp-perf: group %s has %zu params (max %d)\n", g->name, g->nparams,
+                COLL_MAX_SEGS);
+        mfsdp_manifest_free(m);
+        return -1;
+    }
+    *nseg = (int)g->nparams;
+    for (size_t i = 0; i < g->nparams; i++) {
+        w[i] = (double)g->params[i].numel / best_n;
+    }
+    if (g_rank == 0) {
+        fprintf(stderr, "# segments: the %zu params of group '%s' of %s, scaled\n", g->nparams,
+                g->name, st->manifest);
+    }
+    mfsdp_manifest_free(m);
+    return 0;
+}
+
+/* Shapes of one size: segment i gets w_i of the bytes, rounded down to whole [n, COLL_COLS]
+ * row blocks, at least one. */
+static void coll_shape(coll_case_t *c, const double *w, size_t bytes)
+{
+    const size_t unit = (size_t)g_world * COLL_COLS; /* elements of n rows */
+    const double tot_elems = (double)bytes / (double)c->elt;
+    c->sel = 0;
+    for (int i = 0; i < c->nseg; i++) {
+        size_t units = (size_t)(tot_elems * w[i] / (double)unit);
+        units = units ? units : 1;
+        c->rows[i] = (int64_t)(units * (size_t)g_world);
+        c->off[i] = c->sel;
+        c->sel += units * COLL_COLS;
+    }
+    c->S = c->sel * c->elt;
+}
+
+/* Operations (as nccl-tests' testColl): init (untimed), run (timed), check. */
+typedef struct coll_op {
+    const char *name;
+    int mfsdp;    /* 1: the mfsdp owner collective */
+    int in_place; /* 1: in-place variant */
+} coll_op_t;
+
+static void coll_fill_send(coll_case_t *c, char *dst)
+{
+    if (!c->reduce) {
+        for (size_t e = 0; e < c->sel; e++) {
+            put_elt(dst, c->dt, e, fill_val(g_rank, 0, e));
+        }
+        return;
+    }
+    for (int j = 0; j < g_world; j++) {
+        char *blk = dst + (size_t)j * c->S;
+        for (size_t e = 0; e < c->sel; e++) {
+            put_elt(blk, c->dt, e, fill_val(g_rank, j, e));
+        }
+    }
+}
+
+/* Prepare one run; poison outputs before the checked (last) run. */
+static void coll_init(coll_case_t *c, const coll_op_t *op, int last)
+{
+    const size_t n = (size_t)g_world;
+    if (!c->reduce) {
+        if (op->in_place) {
+            if (last) {
+                memset(c->recv2, 0xA5, n * c->S);
+            }
+            memcpy(c->recv2 + (size_t)g_rank * c->S, c->send, c->S);
+        } else if (last) {
+            memset(c->recv, 0xA5, n * c->S);
+        }
+        return;
+    }
+    if (op->in_place) {
+        memcpy(c->recv2, c->send, n * c->S); /* MPI_IN_PLACE reads its input from recvbuf */
+    } else if (last) {
+        memset(c->recv, 0x5A, c->S);
+    }
+    if (op->mfsdp && last) {
+        mfsdp_ctx_scale_grads(c->ctx, 0.0); /* the checked run's reduce is the only one */
+    }
+}
+
+static int coll_run(coll_case_t *c, const coll_op_t *op)
+{
+    const int S = (int)(c->S / c->elt);
+    int rc = MPI_SUCCESS;
+    mfsdp_status_t st = MFSDP_OK;
+    if (!c->reduce) {
+        if (!op->mfsdp) {
+            rc = op->in_place
+                     ? MPI_Allgather(MPI_IN_PLACE, 0, c->mtype, c->recv2, S, c->mtype,
+                                     MPI_COMM_WORLD)
+                     : MPI_Allgather(c->send, S, c->mtype, c->recv, S, c->mtype, MPI_COMM_WORLD);
+        } else {
+            char *out = op->in_place ? c->recv2 : c->recv;
+            const void *in = op->in_place ? out + (size_t)g_rank * c->S : c->send;
+            st = mfsdp_ctx_allgather(c->ctx, 0, in, out, c->sel, c->dt);
+        }
+    } else {
+        if (!op->mfsdp) {
+            rc = op->in_place ? MPI_Reduce_scatter_block(MPI_IN_PLACE, c->recv2, S, c->mtype,
+                                                         c->mop, MPI_COMM_WORLD)
+                              : MPI_Reduce_scatter_block(c->send, c->recv, S, c->mtype, c->mop,
+                                                         MPI_COMM_WORLD);
+        } else {
+            st = mfsdp_ctx_reduce(c->ctx, 0, c->send, c->recv, c->sel, c->dt, MFSDP_OP_SUM, 1.0);
+        }
+    }
+    if (rc != MPI_SUCCESS || st != MFSDP_OK) {
+        fprintf(stderr, "mfsdp-perf: rank %d: %s failed: %s\n", g_rank, op->name,
+                st != MFSDP_OK ? mfsdp_status_string(st) : "MPI error");
+        return -1;
+    }
+    return 0;
+}
+
+/* #wrong of this rank against the host-computed reference. */
+static long coll_check(coll_case_t *c, const coll_op_t *op)
+{
+    long wrong = 0;
+    const size_t n = (size_t)g_world;
+    const int corrupt = c->corrupt && op->mfsdp && g_rank == 0;
+    if (!c->reduce) {
+        char *out = op->in_place ? c->recv2 : c->recv;
+        if (corrupt) {
+            put_elt(out, c->dt, 0, get_elt(out, c->dt, 0) + 1.0f);
+        }
+        for (size_t r = 0; r < n; r++) {
+            const char *blk = out + r * c->S;
+            for (size_t e = 0; e < c->sel; e++) {
+                wrong += get_elt(blk, c->dt, e) != fill_val((int)r, 0, e);
+            }
+        }
+        return wrong;
+    }
+    if (!op->mfsdp) {
+        const char *out = op->in_place ? c->recv2 : c->recv;
+        for (size_t e = 0; e < c->sel; e++) {
+            float ref = 0.0f;
+            for (size_t r = 0; r < n; r++) {
+                ref += fill_val((int)r, g_rank, e);
+            }
+            wrong += get_elt(out, c->dt, e) != ref;
+        }
+        return wrong;
+    }
+    /* Reduce-to-owner: recvbuf is zero (owner-managed bytes) and each owner holds the full
+     * summed gradient of its segments: row q of segment i came from block q / c_i. */
+    for (size_t b = 0; b < c->S; b++) {
+        wrong += c->recv[b] != 0;
+    }
+    for (int i = 0; i < c->nseg; i++) {
+        char name[32];
+        snprintf(name, sizeof(name), "seg%d", i);
+        mfsdp_param_view_t v;
+        if (mfsdp_ctx_get_param(c->ctx, name, &v) != MFSDP_OK) {
+            wrong++;
+            continue;
+        }
+        if (v.owner != g_rank) {
+            continue;
+        }
+        if (v.grad == NULL) {
+            wrong += (long)v.numel;
+            continue;
+        }
+        const int64_t ci = c->rows[i] / g_world;
+        for (int64_t q = 0; q < c->rows[i]; q++) {
+            const int j = (int)(q / ci);
+            for (int64_t col = 0; col < COLL_COLS; col++) {
+                const size_t e = c->off[i] + (size_t)((q - j * ci) * COLL_COLS + col);
+                float ref = 0.0f;
+                for (size_t r = 0; r < n; r++) {
+                    ref += fill_val((int)r, j, e);
+                }
+                float got = v.grad[q * COLL_COLS + col];
+                if (corrupt && q == 0 && col == 0) {
+                    got += 1.0f;
+                }
+                wrong += got != ref;
+            }
+        }
+    }
+    return wrong;
+}
+
+static const coll_op_t coll_ops[] = {
+    {"native", 0, 0},
+    {"native_inplace", 0, 1},
+    {"mfsdp", 1, 0},
+    {"mfsdp_inplace", 1, 1},
+};
+#define COLL_NOPS 4
+
+/* Allocate buffers and the context of one (size, algorithm); prime it with one untimed
+ * call (the first all-gather takes the initial weights). */
+static int coll_setup(coll_case_t *c, mfsdp_algo_t algo)
+{
+    const size_t n = (size_t)g_world;
+    c->send = malloc(c->reduce ? n * c->S : c->S);
+    c->recv = malloc(c->reduce ? c->S : n * c->S);
+    c->recv2 = malloc(n * c->S);
+    if (c->send == NULL || c->recv == NULL || c->recv2 == NULL) {
+        fprintf(stderr, "mfsdp-perf: rank %d: out of memory for %zu-byte blocks\n", g_rank, c->S);
+        return -1;
+    }
+    memset(c->recv, 0, c->reduce ? c->S : n * c->S);
+    memset(c->recv2, 0, n * c->S);
+    coll_fill_send(c, c->send);
+    char *json = coll_manifest_json(c);
+    char err[256] = "";
+    mfsdp_manifest_t *m = NULL;
+    mfsdp_status_t st =
+        json != NULL ? mfsdp_manifest_parse(json, strlen(json), "mfsdp-perf", err, sizeof(err), &m)
+                     : MFSDP_ERR_NO_MEMORY;
+    free(json);
+    if (st != MFSDP_OK) {
+        fprintf(stderr, "mfsdp-perf: synthesized manifest: %s %s\n", mfsdp_status_string(st), err);
+        return -1;
+    }
+    mfsdp_ctx_opts_t o;
+    memset(&o, 0, sizeof(o));
+    o.has_plan_opts = 1;
+    o.plan_opts.tail = MFSDP_TAIL_OWNER;
+    o.gather_algo = algo;
+    o.reduce_algo = algo;
+    o.has_step_mode = 1;
+    o.step_mode = MFSDP_STEP_MANUAL;
+    o.accum_steps = 1;
+    o.has_clip = 1;
+    o.clip = 0.0;
+    o.no_mlock = 1;
+    st = mfsdp_ctx_create_mpi(m, &o, MPI_COMM_WORLD, &c->ctx);
+    /* The context borrows the manifest: it lives until coll_teardown(). */
+    if (st != MFSDP_OK) {
+        fprintf(stderr, "mfsdp-perf: context: %s\n", mfsdp_status_string(st));
+        mfsdp_manifest_free(m);
+        return -1;
+    }
+    c->manifest = m;
+    /* Prime: the first all-gather takes the initial weights from the send buffers. */
+    if (!c->reduce) {
+        st = mfsdp_ctx_allgather(c->ctx, 0, c->send, c->recv, c->sel, c->dt);
+    } else {
+        char *w = malloc(c->S), *full = malloc(n * c->S);
+        if (w == NULL || full == NULL) {
+            free(w);
+            free(full);
+            return -1;
+        }
+        memset(w, 0, c->S);
+        st = mfsdp_ctx_allgather(c->ctx, 0, w, full, c->sel, c->dt);
+        free(w);
+        free(full);
+    }
+    if (st != MFSDP_OK) {
+        fprintf(stderr, "mfsdp-perf: priming all-gather: %s\n", mfsdp_status_string(st));
+        return -1;
+    }
+    return 0;
+}
+
+static void coll_teardown(coll_case_t *c)
+{
+    mfsdp_ctx_destroy(&c->ctx);
+    mfsdp_manifest_free(c->manifest);
+    c->manifest = NULL;
+    free(c->send);
+    free(c->recv);
+    free(c->recv2);
+    c->send = c->recv = c->recv2 = NULL;
+}
+
+static void coll_print(const coll_state_t *st, const perf_opts_t *o, const coll_case_t *c,
+                       const char *sys, const double *t, const long *wrong, int nvar,
+                       const double *ratio, size_t staging, size_t peak)
+{
+    const double n = (double)g_world;
+    const double size = (double)(c->S * (size_t)g_world);
+    const char *type = c->dt == MFSDP_FLOAT32 ? "float" : "bfloat16";
+    double algbw[2], busbw[2];
+    for (int v = 0; v < nvar; v++) {
+        algbw[v] = size / t[v] * 1e-9;
+        busbw[v] = algbw[v] * (n - 1) / n;
+    }
+    if (o->json) {
+        printf("{\"subcommand\":\"%s\",\"ranks\":%d,\"system\":\"%s\",\"size\":%.0f,"
+               "\"count\":%zu,\"type\":\"%s\",\"redop\":\"%s\",\"root\":-1,"
+               "\"time_us\":%.1f,\"algbw\":%.4f,\"busbw\":%.4f,\"wrong\":%ld",
+               st->reduce ? "reducescatter" : "allgather", g_world, sys, size,
+               c->sel * (size_t)g_world, type, st->reduce ? "sum" : "none", 1e6 * t[0], algbw[0],
+               busbw[0], wrong[0]);
+        if (nvar > 1) {
+            printf(",\"ip_time_us\":%.1f,\"ip_algbw\":%.4f,\"ip_busbw\":%.4f,\"ip_wrong\":%ld",
+                   1e6 * t[1], algbw[1], busbw[1], wrong[1]);
+        }
+        if (ratio != NULL) {
+            printf(",\"ratio\":%.4f", ratio[0]);
+            if (nvar > 1) {
+                printf(",\"ip_ratio\":%.4f", ratio[1]);
+            }
+            printf(",\"staging_bytes\":%zu,\"peak_bytes\":%zu", staging, peak);
+        }
+        printf("}\n");
+    } else {
+        printf("%12.0f %12zu %8s %5s %4d %-13s", size, c->sel * (size_t)g_world, type,
+               st->reduce ? "sum" : "none", -1, sys);
+        for (int v = 0; v < 2; v++) {
+            if (v < nvar) {
+                printf(" %10.1f %7.3f %7.3f %6ld", 1e6 * t[v], algbw[v], busbw[v], wrong[v]);
+            } else {
+                printf(" %10s %7s %7s %6s", "n/a", "", "", "");
+            }
+        }
+        if (ratio != NULL) {
+            printf(" %6.3f", ratio[0]);
+            if (nvar > 1) {
+                printf(" %6.3f", ratio[1]);
+            } else {
+                printf(" %6s", "n/a");
+            }
+            printf(" %11zu %11zu", staging, peak);
+        }
+        printf("\n");
+    }
+    fflush(stdout);
+}
+
+static int coll_run_all(const perf_opts_t *o, void *state)
+{
+    const coll_state_t *st = state;
+    double w[COLL_MAX_SEGS];
+    coll_case_t c;
+    memset(&c, 0, sizeof(c));
+    c.reduce = st->reduce;
+    c.dt = st->dtype;
+    c.elt = mfsdp_dtype_size(c.dt);
+    c.corrupt = corrupt_requested();
+    if (coll_weights(st, w, &c.nseg) != 0) {
+        return 2;
+    }
+    if (st->minbytes > st->maxbytes) {
+        if (g_rank == 0) {
+            fprintf(stderr, "mfsdp-perf: -b %zu is above -e %zu\n", st->minbytes, st->maxbytes);
+        }
+        return 2;
+    }
+    c.mtype = c.dt == MFSDP_FLOAT32 ? MPI_FLOAT : MPI_UINT16_T;
+    c.mop = MPI_SUM;
+    if (c.dt == MFSDP_BFLOAT16) {
+        MPI_Op_create(bf16_sum, 1, &c.mop);
+    }
+    mfsdp_algo_t algos[4];
+    int nalgo = 0;
+    if (st->algo < 0) {
+        algos[nalgo++] = MFSDP_ALGO_DIRECT;
+        algos[nalgo++] = MFSDP_ALGO_CHAIN;
+        algos[nalgo++] = MFSDP_ALGO_NATIVE;
+    } else {
+        algos[nalgo++] = (mfsdp_algo_t)st->algo;
+    }
+    const int nops = st->reduce ? 3 : 4; /* reduce-to-owner has no in-place form */
+    FILE *hdr = o->json ? stderr : stdout;
+    if (g_rank == 0) {
+        fprintf(hdr, "# mfsdp-perf %s: native %s vs mfsdp %s on one FSDP-layout buffer, %d ranks\n",
+                st->reduce ? "reducescatter" : "allgather",
+                st->reduce ? "MPI_Reduce_scatter_block" : "MPI_Allgather",
+                st->reduce ? "reduce-to-owner" : "owner-broadcast", g_world);
+        fprintf(hdr,
+                "# %d segments [rows, %d] per buffer, rows a multiple of %d; size = bytes of the "
+                "whole buffer (n blocks); time = median over %d run(s) of the slowest rank, "
+                "%d warm-up, interleaved; busbw = algbw * (n-1)/n; check %d\n",
+                c.nseg, COLL_COLS, g_world, o->iters, o->warmup, o->check);
+        fprintf(hdr, "# ratio = mfsdp busbw / native busbw of the same run (out-of-place, "
+                     "in-place); staging/peak = the context's bytes per rank (max over ranks)\n");
+        if (!o->json) {
+            printf("#%11s %12s %8s %5s %4s %-13s %10s %7s %7s %6s %10s %7s %7s %6s %6s %6s %11s "
+                   "%11s\n",
+                   "size", "count", "type", "redop", "root", "system", "time", "algbw", "busbw",
+                   "#wrong", "time", "algbw", "busbw", "#wrong", "ratio", "ratio", "staging",
+                   "peak");
+            printf("#%11s %12s %8s %5s %4s %-13s %10s %7s %7s %6s %10s %7s %7s %6s %6s %6s %11s "
+                   "%11s\n",
+                   "(B)", "(elements)", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "oop", "(us)",
+                   "(GB/s)", "(GB/s)", "ip", "oop", "ip", "(B)", "(B)");
+        }
+    }
+    int rc = 0;
+    double t[COLL_NOPS][64];
+    const int iters = o->iters < 64 ? o->iters : 64;
+    for (size_t bytes = st->minbytes; bytes <= st->maxbytes && rc == 0;
+         bytes *= (size_t)st->factor) {
+        coll_shape(&c, w, bytes);
+        for (int a = 0; a < nalgo && rc == 0; a++) {
+            int ok = coll_setup(&c, algos[a]) == 0;
+            int all_ok = ok;
+            MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+            long wrong[COLL_NOPS] = {0};
+            if (!all_ok) {
+                rc = 1;
+                coll_teardown(&c);
+                break;
+            }
+            const int total = o->warmup + iters;
+            for (int it = 0; it < total && rc == 0; it++) {
+                for (int op = 0; op < nops; op++) {
+                    const int last = it == total - 1;
+                    coll_init(&c, &coll_ops[op], last && o->check);
+                    MPI_Barrier(MPI_COMM_WORLD);
+                    const double t0 = now_s();
+                    const int bad = coll_run(&c, &coll_ops[op]);
+                    const double dt = run_max(now_s() - t0);
+                    if (sum_long(bad != 0) != 0) {
+                        rc = 1;
+                        break;
+                    }
+                    if (it >= o->warmup) {
+                        t[op][it - o->warmup] = dt;
+                    }
+                    if (last && o->check) {
+                        wrong[op] = sum_long(coll_check(&c, &coll_ops[op]));
+                    }
+                }
+            }
+            if (rc == 0) {
+                double med[COLL_NOPS];
+                for (int op = 0; op < nops; op++) {
+                    med[op] = median(t[op], iters);
+                }
+                mfsdp_ctx_stats_t s;
+                memset(&s, 0, sizeof(s));
+                mfsdp_ctx_get_stats(c.ctx, &s);
+                unsigned long long mine[2] = {s.staging_bytes, s.peak_bytes}, mx[2];
+                MPI_Allreduce(mine, mx, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, MPI_COMM_WORLD);
+                if (g_rank == 0) {
+                    char sys[32];
+                    coll_print(st, o, &c, "native", med, wrong, 2, NULL, 0, 0);
+                    snprintf(sys, sizeof(sys), "mfsdp-%s", algo_str(s.gather_algo));
+                    if (st->reduce) {
+                        snprintf(sys, sizeof(sys), "mfsdp-%s", algo_str(s.reduce_algo));
+                    }
+                    const double ratio[2] = {med[0] / med[2], nops > 3 ? med[1] / med[3] : 0.0};
+                    coll_print(st, o, &c, sys, med + 2, wrong + 2, nops - 2, ratio, (size_t)mx[0],
+                               (size_t)mx[1]);
+                }
+                for (int op = 0; op < nops; op++) {
+                    if (wrong[op] != 0) {
+                        rc = 1;
+                    }
+                }
+            }
+            coll_teardown(&c);
+        }
+        if (st->factor < 2 || bytes > st->maxbytes / (size_t)st->factor) {
+            break;
+        }
+    }
+    if (c.dt == MFSDP_BFLOAT16) {
+        MPI_Op_free(&c.mop);
+    }
+    return rc;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * optstep: the Muon step of every Muon matrix of a manifest, three placements
+ */
+
+typedef struct opt_state {
+    const char *manifest;
+} opt_state_t;
+
+static const struct option opt_long_opts[] = {
+    {"manifest", required_argument, NULL, 'M'},
+    {NULL, 0, NULL, 0},
+};
+
+static void opt_defaults(void *state)
+{
+    ((opt_state_t *)state)->manifest = NULL;
+}
+
+static int opt_parse_opt(void *state, int opt, const char *arg)
+{
+    if (opt != 'M') {
+        return -1;
+    }
+    ((opt_state_t *)state)->manifest = arg;
+    return 0;
+}
+
+/* One Muon matrix: m x k, FSDP shard of c rows per rank (zero padding rows). */
+typedef struct opt_mat {
+    const mfsdp_param_desc_t *p;
+    int64_t m, k, c;
+    int owner; /* mfsdp owner (the plan) */
+    int root;  /* DMuon root: round-robin over matrices */
+    float *gs; /* this rank's gradient shard (c k), as after FSDP's reduce-scatter */
+    /* mfsdp (owner only): full W, M, G */
+    float *ow, *om, *og;
+    /* FSDP2-Muon: gathered G (n c k), full W, M (n c k, padding rows unused) */
+    float *fg, *fw, *fm;
+    /* DMuon: root's gathered G, full W, M (n c k); every rank's returned W shard (c k) */
+    float *dg, *dw, *dm, *dws;
+} opt_mat_t;
+
+typedef struct opt_ctx {
+    size_t nmat;
+    opt_mat_t *mat;
+    mfsdp_muon_hp_t hp;
+    float *ws;
+    size_t ws_elems;
+    MPI_Request *req;
+} opt_ctx_t;
+
+static void opt_fill(float *x, size_t n, uint64_t seed, float scale)
+{
+    fill_normal(x, n, seed);
+    for (size_t i = 0; i < n; i++) {
+        x[i] *= scale;
+    }
+}
+
+/* Initial state of matrix i: W ~ 0.02 N, M ~ 0.01 N, G ~ N (the same on every system). */
+static void opt_init_mat(opt_mat_t *a, size_t i, float *tmp)
+{
+    const size_t mk = (size_t)(a->m * a->k), ck = (size_t)(a->c * a->k);
+    const int64_t first = g_rank * a->c;
+    int64_t nrows = a->m - first;
+    nrows = nrows < 0 ? 0 : (nrows > a->c ? a->c : nrows);
+    opt_fill(tmp, mk, 0x6000u + i * 3, 1.0f);
+    memset(a->gs, 0, ck * sizeof(float));
+    if (nrows > 0) {
+        memcpy(a->gs, tmp + (size_t)(first * a->k), (size_t)(nrows * a->k) * sizeof(float));
+    }
+    if (a->og != NULL) {
+        memcpy(a->og, tmp, mk * sizeof(float));
+    }
+    opt_fill(tmp, mk, 0x6001u + i * 3, 0.02f);
+    if (a->ow != NULL) {
+        memcpy(a->ow, tmp, mk * sizeof(float));
+    }
+    memcpy(a->fw, tmp, mk * sizeof(float));
+    if (a->dw != NULL) {
+        memcpy(a->dw, tmp, mk * sizeof(float));
+    }
+    opt_fill(tmp, mk, 0x6002u + i * 3, 0.01f);
+    if (a->om != NULL) {
+        memcpy(a->om, tmp, mk * sizeof(float));
+    }
+    memcpy(a->fm, tmp, mk * sizeof(float));
+    if (a->dm != NULL) {
+        memcpy(a->dm, tmp, mk * sizeof(float));
+    }
+}
+
+static int opt_update(opt_ctx_t *x, opt_mat_t *a, float *w, float *mom, const float *g)
+{
+    const mfsdp_status_t st =
+        mfsdp_cpu_muon_update(w, mom, g, NULL, MFSDP_FLOAT32, a->m, a->k, a->p->nsplit, a->p->split,
+                              &x->hp, x->ws, x->ws_elems);
+    if (st != MFSDP_OK) {
+        fprintf(stderr, "mfsdp-perf: rank %d: muon update %s: %s\n", g_rank, a->p->name,
+                mfsdp_status_string(st));
+        return -1;
+    }
+    return 0;
+}
+
+/* mfsdp: owners step the matrices they own; no collective. */
+static int opt_run_mfsdp(opt_ctx_t *x, double *comm, double *comp)
+{
+    const double t0 = now_s();
+    for (size_t i = 0; i < x->nmat; i++) {
+        opt_mat_t *a = &x->mat[i];
+        if (a->owner == g_rank && opt_update(x, a, a->ow, a->om, a->og) != 0) {
+            return -1;
+        }
+    }
+    *comm = 0.0;
+    *comp = now_s() - t0;
+    return 0;
+}
+
+/* FSDP2-Muon: all-gather every gradient, Newton-Schulz everywhere, keep the own rows. */
+static int opt_run_fsdp2(opt_ctx_t *x, double *comm, double *comp)
+{
+    double t0 = now_s();
+    for (size_t i = 0; i < x->nmat; i++) {
+        opt_mat_t *a = &x->mat[i];
+        const int ck = (int)(a->c * a->k);
+        MPI_Iallgather(a->gs, ck, MPI_FLOAT, a->fg, ck, MPI_FLOAT, MPI_COMM_WORLD, &x->req[i]);
+    }
+    MPI_Waitall((int)x->nmat, x->req, MPI_STATUSES_IGNORE);
+    *comm = now_s() - t0;
+    t0 = now_s();
+    for (size_t i = 0; i < x->nmat; i++) {
+        opt_mat_t *a = &x->mat[i];
+        if (opt_update(x, a, a->fw, a->fm, a->fg) != 0) {
+            return -1;
+        }
+    }
+    *comp = now_s() - t0;
+    return 0;
+}
+
+/* DMuon/Dion-style: gather each gradient to its round-robin root, Newton-Schulz there,
+ * scatter the updated rows back. */
+static int opt_run_dmuon(opt_ctx_t *x, double *comm, double *comp)
+{
+    double t0 = now_s();
+    for (size_t i = 0; i < x->nmat; i++) {
+        opt_mat_t *a = &x->mat[i];
+        const int ck = (int)(a->c * a->k);
+        MPI_Igather(a->gs, ck, MPI_FLOAT, a->dg, ck, MPI_FLOAT, a->root, MPI_COMM_WORLD,
+                    &x->req[i]);
+    }
+    MPI_Waitall((int)x->nmat, x->req, MPI_STATUSES_IGNORE);
+    *comm = now_s() - t0;
+    t0 = now_s();
+    for (size_t i = 0; i < x->nmat; i++) {
+        opt_mat_t *a = &x->mat[i];
+        if (a->root == g_rank && opt_update(x, a, a->dw, a->dm, a->dg) != 0) {
+            return -1;
+        }
+    }
+    *comp = now_s() - t0;
+    t0 = now_s();
+    for (size_t i = 0; i < x->nmat; i++) {
+        opt_mat_t *a = &x->mat[i];
+        const int ck = (int)(a->c * a->k);
+        MPI_Iscatter(a->dw, ck, MPI_FLOAT, a->dws, ck, MPI_FLOAT, a->root, MPI_COMM_WORLD,
+                     &x->req[i]);
+    }
+    MPI_Waitall((int)x->nmat, x->req, MPI_STATUSES_IGNORE);
+    *comm += now_s() - t0;
+    return 0;
+}
+
+/* After one step from the initial state: this rank's rows of every matrix agree across the
+ * three placements (mfsdp's owner broadcasts its result, untimed). */
+static long opt_check(opt_ctx_t *x, float *tmp)
+{
+    long wrong = 0;
+    const int corrupt = corrupt_requested() && g_rank == 0;
+    for (size_t i = 0; i < x->nmat; i++) {
+        opt_mat_t *a = &x->mat[i];
+        const size_t mk = (size_t)(a->m * a->k);
+        if (a->owner == g_rank) {
+            memcpy(tmp, a->ow, mk * sizeof(float));
+        }
+        MPI_Bcast(tmp, (int)mk, MPI_FLOAT, a->owner, MPI_COMM_WORLD);
+        if (corrupt && i == 0) {
+            tmp[(size_t)(g_rank * a->c * a->k)] += 1.0f;
+        }
+        const int64_t first = g_rank * a->c;
+        int64_t nrows = a->m - first;
+        nrows = nrows < 0 ? 0 : (nrows > a->c ? a->c : nrows);
+        for (size_t e = 0; e < (size_t)(nrows * a->k); e++) {
+            const float ref = tmp[(size_t)(first * a->k) + e];
+            const float f = a->fw[(size_t)(first * a->k) + e], d = a->dws[e];
+            const float tol = 1e-5f * (1.0f + fabsf(ref));
+            wrong += !isfinite(ref) || !(fabsf(f - ref) <= tol) || !(fabsf(d - ref) <= tol);
+        }
+    }
+    return wrong;
+}
+
+typedef int (*opt_fn)(opt_ctx_t *, double *, double *);
+
+static int opt_run(const perf_opts_t *o, void *state)
+{
+    const opt_state_t *st = state;
+    if (st->manifest == NULL) {
+        if (g_rank == 0) {
+            fprintf(stderr, "mfsdp-perf optstep: --manifest is required\n");
+        }
+        return 2;
+    }
+    char err[256] = "";
+    mfsdp_manifest_t *m = NULL;
+    if (mfsdp_manifest_load(st->manifest, err, sizeof(err), &m) != MFSDP_OK) {
+        fprintf(stderr, "mfsdp-perf: manifest %s: %s\n", st->manifest, err);
+        return 2;
+    }
+    mfsdp_plan_opts_t po;
+    memset(&po, 0, sizeof(po));
+    po.tail = MFSDP_TAIL_OWNER;
+    mfsdp_plan_t *plan = NULL;
+    mfsdp_status_t pst = mfsdp_plan_create(m, g_world, &po, &plan);
+    if (pst != MFSDP_OK) {
+        fprintf(stderr, "mfsdp-perf: plan: %s\n", mfsdp_status_string(pst));
+        mfsdp_manifest_free(m);
+        return 1;
+    }
+    opt_ctx_t x;
+    memset(&x, 0, sizeof(x));
+    x.hp.lr = (float)m->hp.lr;
+    x.hp.momentum = (float)m->hp.momentum;
+    x.hp.weight_decay = (float)m->hp.weight_decay;
+    x.hp.nesterov = m->hp.nesterov;
+    x.hp.ns_steps = m->hp.ns_steps;
+    x.hp.scale = m->hp.scale;
+    x.mat = calloc(plan->nshards, sizeof(*x.mat));
+    x.req = calloc(plan->nshards + 1, sizeof(*x.req));
+    size_t maxmk = 0;
+    double muon_bytes = 0;
+    int oom = x.mat == NULL || x.req == NULL;
+    for (size_t s = 0; s < plan->nshards && !oom; s++) {
+        const mfsdp_shard_t *sh = &plan->shards[s];
+        if (sh->role != MFSDP_ROLE_MUON) {
+            continue;
+        }
+        opt_mat_t *a = &x.mat[x.nmat];
+        a->p = &m->groups[sh->group].params[sh->param];
+        a->m = sh->rows;
+        a->k = sh->cols;
+        a->c = (a->m + g_world - 1) / g_world;
+        a->owner = sh->owner;
+        a->root = (int)(x.nmat % (size_t)g_world);
+        const size_t mk = (size_t)(a->m * a->k), nck = (size_t)(g_world * a->c * a->k);
+        maxmk = mk > maxmk ? mk : maxmk;
+        muon_bytes += 4.0 * (double)mk;
+        const size_t ws = mfsdp_muon_workspace_elems(a->m, a->k);
+        x.ws_elems = ws > x.ws_elems ? ws : x.ws_elems;
+        a->gs = malloc((size_t)(a->c * a->k) * sizeof(float));
+        a->dws = malloc((size_t)(a->c * a->k) * sizeof(float));
+        a->fg = malloc(nck * sizeof(float));
+        a->fw = malloc(nck * sizeof(float));
+        a->fm = malloc(nck * sizeof(float));
+        oom |= !a->gs || !a->dws || !a->fg || !a->fw || !a->fm;
+        if (a->owner == g_rank) {
+            a->ow = malloc(mk * sizeof(float));
+            a->om = malloc(mk * sizeof(float));
+            a->og = malloc(mk * sizeof(float));
+            oom |= !a->ow || !a->om || !a->og;
+        }
+        if (a->root == g_rank) {
+            a->dg = malloc(nck * sizeof(float));
+            a->dw = calloc(nck, sizeof(float));
+            a->dm = malloc(nck * sizeof(float));
+            oom |= !a->dg || !a->dw || !a->dm;
+        }
+        x.nmat++;
+    }
+    float *tmp = malloc((maxmk ? maxmk : 1) * sizeof(float));
+    x.ws = malloc((x.ws_elems ? x.ws_elems : 1) * sizeof(float));
+    oom |= tmp == NULL || x.ws == NULL;
+    int all_ok = !oom, ok = !oom;
+    MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    int rc = 0;
+    if (!all_ok || x.nmat == 0) {
+        if (g_rank == 0) {
+            fprintf(stderr, "mfsdp-perf: optstep: %s\n",
+                    x.nmat == 0 ? "the manifest has no Muon matrix" : "out of memory");
+        }
+        rc = 1;
+        goto done;
+    }
+    memset(x.ws, 0, x.ws_elems * sizeof(float));
+    for (size_t i = 0; i < x.nmat; i++) {
+        opt_init_mat(&x.mat[i], i, tmp);
+    }
+
+    static const char *names[] = {"mfsdp", "fsdp2-muon", "dmuon"};
+    static const opt_fn fns[] = {opt_run_mfsdp, opt_run_fsdp2, opt_run_dmuon};
+    double tt[3][64], tc[3][64], tp[3][64];
+    const int iters = o->iters < 64 ? o->iters : 64;
+    const int total = o->warmup + iters;
+    for (int it = 0; it < total && rc == 0; it++) {
+        const int last = it == total - 1 && o->check;
+        if (last) {
+            for (size_t i = 0; i < x.nmat; i++) {
+                opt_init_mat(&x.mat[i], i, tmp);
+            }
+        }
+        /* The order of the systems rotates from run to run, so that a load change on a
+         * shared machine does not always hit the same one. */
+        for (int q = 0; q < 3 && rc == 0; q++) {
+            const int s = (q + it) % 3;
+            double comm = 0, comp = 0;
+            MPI_Barrier(MPI_COMM_WORLD);
+            const double t0 = now_s();
+            const int bad = fns[s](&x, &comm, &comp);
+            const double wall = now_s() - t0;
+            if (sum_long(bad != 0) != 0) {
+                rc = 1;
+                break;
+            }
+            if (it >= o->warmup) {
+                tt[s][it - o->warmup] = run_max(wall);
+                tc[s][it - o->warmup] = run_max(comm);
+                tp[s][it - o->warmup] = run_max(comp);
+            }
+        }
+    }
+    long wrong = 0;
+    if (rc == 0 && o->check) {
+        wrong = sum_long(opt_check(&x, tmp));
+    }
+    if (rc == 0 && g_rank == 0) {
+        double med[3][3];
+        for (int s = 0; s < 3; s++) {
+            med[s][0] = median(tt[s], iters);
+            med[s][1] = median(tc[s], iters);
+            med[s][2] = median(tp[s], iters);
+        }
+        FILE *hdr = o->json ? stderr : stdout;
+        fprintf(hdr,
+                "# mfsdp-perf optstep: %s, %zu Muon matrices (%.1f MB fp32), %d ranks, "
+                "%d NS steps, %d timed run(s) (median of the slowest rank; order rotated), "
+                "%d warm-up, check %d\n",
+                st->manifest, x.nmat, muon_bytes * 1e-6, g_world, x.hp.ns_steps, o->iters,
+                o->warmup, o->check);
+        fprintf(hdr,
+                "# mfsdp: owners (planner, max NS %.2f GFLOP/rank, lower bound %.2f) step "
+                "whole matrices, no collective; fsdp2-muon: MPI_Iallgather of every "
+                "gradient, Muon on every rank; dmuon: MPI_Igather to rank i %% n, Muon "
+                "there, MPI_Iscatter of the rows back\n",
+                plan->max_flops * 1e-9, plan->lb_flops * 1e-9);
+        fprintf(hdr, "# comm, compute: max over ranks of the time in MPI waits / in "
+                     "mfsdp_cpu_muon_update; total: the slowest rank's wall time\n");
+        if (!o->json) {
+            printf("#%-11s %10s %10s %10s %14s %7s\n", "system", "total_ms", "comm_ms",
+                   "compute_ms", "vs_mfsdp", "#wrong");
+        }
+        for (int s = 0; s < 3; s++) {
+            const double ratio = med[s][0] / med[0][0];
+            if (o->json) {
+                printf("{\"subcommand\":\"optstep\",\"ranks\":%d,\"system\":\"%s\","
+                       "\"total_s\":%.6f,\"comm_s\":%.6f,\"compute_s\":%.6f,"
+                       "\"time_vs_mfsdp\":%.4f,\"wrong\":%ld}\n",
+                       g_world, names[s], med[s][0], med[s][1], med[s][2], ratio, wrong);
+            } else {
+                printf(" %-11s %10.1f %10.1f %10.1f %14.3f %7ld\n", names[s], 1e3 * med[s][0],
+                       1e3 * med[s][1], 1e3 * med[s][2], ratio, wrong);
+            }
+        }
+        fprintf(hdr, "# mfsdp speedup: %.3fx vs fsdp2-muon, %.3fx vs dmuon (%d ranks)\n",
+                med[1][0] / med[0][0], med[2][0] / med[0][0], g_world);
+        fflush(stdout);
+    }
+    if (wrong != 0) {
+        rc = 1;
+    }
+done:
+    for (size_t i = 0; i < x.nmat; i++) {
+        opt_mat_t *a = &x.mat[i];
+        free(a->gs);
+        free(a->dws);
+        free(a->fg);
+        free(a->fw);
+        free(a->fm);
+        free(a->ow);
+        free(a->om);
+        free(a->og);
+        free(a->dg);
+        free(a->dw);
+        free(a->dm);
+    }
+    free(x.mat);
+    free(x.req);
+    free(x.ws);
+    free(tmp);
+    mfsdp_plan_destroy(plan);
+    mfsdp_manifest_free(m);
+    return rc;
+}
+#endif /* MFSDP_HAVE_MPI */
+
 /* ---------------------------------------------------------------------------------------
  * Subcommand table and driver
  */
@@ -440,6 +1632,44 @@ static const perf_subcmd_t subcmds[] = {
         .parse_opt = ns_parse_opt,
         .run = ns_run,
     },
+#if MFSDP_HAVE_MPI
+    {
+        .name = "allgather",
+        .summary = "MPI_Allgather vs mfsdp owner-broadcast on one FSDP-layout buffer (mpirun)",
+        .usage = COLL_USAGE,
+        .short_opts = "b:e:f:d:o:",
+        .opts = coll_long_opts,
+        .state_size = sizeof(coll_state_t),
+        .defaults = allgather_defaults,
+        .parse_opt = coll_parse_opt,
+        .run = coll_run_all,
+        .mpi = 1,
+    },
+    {
+        .name = "reducescatter",
+        .summary = "MPI_Reduce_scatter_block vs mfsdp reduce-to-owner (mpirun)",
+        .usage = COLL_USAGE,
+        .short_opts = "b:e:f:d:o:",
+        .opts = coll_long_opts,
+        .state_size = sizeof(coll_state_t),
+        .defaults = reducescatter_defaults,
+        .parse_opt = coll_parse_opt,
+        .run = coll_run_all,
+        .mpi = 1,
+    },
+    {
+        .name = "optstep",
+        .summary = "Muon step latency: mfsdp owners vs FSDP2-Muon vs DMuon-style (mpirun)",
+        .usage = "  -M, --manifest FILE        model manifest (required): its Muon matrices\n",
+        .short_opts = "",
+        .opts = opt_long_opts,
+        .state_size = sizeof(opt_state_t),
+        .defaults = opt_defaults,
+        .parse_opt = opt_parse_opt,
+        .run = opt_run,
+        .mpi = 1,
+    },
+#endif
 };
 #define NSUBCMDS (sizeof(subcmds) / sizeof(subcmds[0]))
 
@@ -455,7 +1685,7 @@ static void usage(FILE *f, const perf_subcmd_t *sub)
     if (sub == NULL) {
         fprintf(f, "usage: mfsdp-perf <subcommand> [flags]\nsubcommands:\n");
         for (size_t i = 0; i < NSUBCMDS; i++) {
-            fprintf(f, "  %-6s %s\n", subcmds[i].name, subcmds[i].summary);
+            fprintf(f, "  %-14s %s\n", subcmds[i].name, subcmds[i].summary);
         }
         fprintf(f, "run 'mfsdp-perf <subcommand> -h' for its flags\n");
         return;
@@ -545,7 +1775,23 @@ int main(int argc, char **argv)
         free(state);
         return 2;
     }
-    const int rc = sub->run(&o, state);
+    int rc;
+#if MFSDP_HAVE_MPI
+    if (sub->mpi) {
+        int provided;
+        MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
+        MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+        MPI_Comm_size(MPI_COMM_WORLD, &g_world);
+        rc = sub->run(&o, state);
+        int worst = rc;
+        MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+        rc = worst;
+        MPI_Finalize();
+    } else
+#endif
+    {
+        rc = sub->run(&o, state);
+    }
     free(state);
     return rc;
 }

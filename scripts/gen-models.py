@@ -168,6 +168,8 @@ MODELS = {
     "gpt2-124m.json": gpt2_124m,
     "llama3-8b.json": lambda: llama3(4096, 14336, 32),
     "llama3-70b.json": lambda: llama3(8192, 28672, 80),
+    # Scaled-down Llama (4 blocks, hidden 1024, FFN 3584): mfsdp-perf optstep's manifest.
+    "llama-mini.json": lambda: llama3(1024, 3584, 4),
 }
 
 

@@ -937,6 +937,16 @@ Test(manifest, llama3_70b)
     check_llama("llama3-70b.json", 70553706496LL, 80, 8192, 28672);
 }
 
+/* The scaled-down Llama of mfsdp-perf optstep (docs/PERFORMANCE.md): 2 x 128256 x 1024
+ * (embed, lm_head) + 1024 (norm) + 4 x (4 x 1024^2 + 3 x 3584 x 1024 + 2 x 1024). */
+Test(manifest, llama_mini)
+{
+    check_llama("llama-mini.json",
+                2LL * 128256 * 1024 + 1024 +
+                    4LL * (4LL * 1024 * 1024 + 3LL * 3584 * 1024 + 2 * 1024),
+                4, 1024, 3584);
+}
+
 Test(manifest, tiny)
 {
     mfsdp_manifest_t *m = load_model("tiny.json");
