@@ -811,9 +811,10 @@ out:
 /* ---- JSON ---------------------------------------------------------------------------- */
 
 static const char *const role_names[] = {[MFSDP_ROLE_MUON] = "muon", [MFSDP_ROLE_ADAMW] = "adamw"};
-static const char *const tail_names[] = {
-    [MFSDP_TAIL_OWNER] = "owner", [MFSDP_TAIL_SHARD] = "shard", [MFSDP_TAIL_AUTO] = "auto",
-    [MFSDP_TAIL_JOB] = "job"};
+static const char *const tail_names[] = {[MFSDP_TAIL_OWNER] = "owner",
+                                         [MFSDP_TAIL_SHARD] = "shard",
+                                         [MFSDP_TAIL_AUTO] = "auto",
+                                         [MFSDP_TAIL_JOB] = "job"};
 static const char *const cat_names[MFSDP_ARENA_NCAT] = {
     [MFSDP_ARENA_MASTER] = "master", [MFSDP_ARENA_COMM] = "comm",
     [MFSDP_ARENA_GRAD] = "grad",     [MFSDP_ARENA_MOMENTUM] = "momentum",

@@ -8,24 +8,42 @@
 const char *mfsdp_status_string(mfsdp_status_t status)
 {
     switch (status) {
-    case MFSDP_OK: return "success";
-    case MFSDP_ERR_INVALID_ARG: return "invalid argument";
-    case MFSDP_ERR_NO_MEMORY: return "out of memory";
-    case MFSDP_ERR_IO: return "i/o error";
-    case MFSDP_ERR_PARSE: return "parse error";
-    case MFSDP_ERR_UNSUPPORTED: return "unsupported";
-    case MFSDP_ERR_OVERFLOW: return "size overflow";
-    case MFSDP_ERR_MEM_LIMIT: return "memory limit exceeded";
-    case MFSDP_ERR_MISMATCH: return "mismatch with the plan";
-    case MFSDP_ERR_INTERNAL: return "internal error";
-    case MFSDP_ERR_TRANSPORT: return "transport (mpi) error";
-    case MFSDP_ERR_CUDA: return "cuda error";
-    case MFSDP_ERR_NCCL: return "nccl error";
-    case MFSDP_ERR_STATE: return "invalid state";
-    case MFSDP_ERR_NOT_FOUND: return "not found";
-    case MFSDP_ERR_CHECKSUM: return "checksum mismatch";
-    case MFSDP_ERR_CONFIG: return "bad configuration variable";
-    case MFSDP_ERR_SEQUENCE: return "call sequence violation";
+    case MFSDP_OK:
+        return "success";
+    case MFSDP_ERR_INVALID_ARG:
+        return "invalid argument";
+    case MFSDP_ERR_NO_MEMORY:
+        return "out of memory";
+    case MFSDP_ERR_IO:
+        return "i/o error";
+    case MFSDP_ERR_PARSE:
+        return "parse error";
+    case MFSDP_ERR_UNSUPPORTED:
+        return "unsupported";
+    case MFSDP_ERR_OVERFLOW:
+        return "size overflow";
+    case MFSDP_ERR_MEM_LIMIT:
+        return "memory limit exceeded";
+    case MFSDP_ERR_MISMATCH:
+        return "mismatch with the plan";
+    case MFSDP_ERR_INTERNAL:
+        return "internal error";
+    case MFSDP_ERR_TRANSPORT:
+        return "transport (mpi) error";
+    case MFSDP_ERR_CUDA:
+        return "cuda error";
+    case MFSDP_ERR_NCCL:
+        return "nccl error";
+    case MFSDP_ERR_STATE:
+        return "invalid state";
+    case MFSDP_ERR_NOT_FOUND:
+        return "not found";
+    case MFSDP_ERR_CHECKSUM:
+        return "checksum mismatch";
+    case MFSDP_ERR_CONFIG:
+        return "bad configuration variable";
+    case MFSDP_ERR_SEQUENCE:
+        return "call sequence violation";
     }
     return "unknown status";
 }
@@ -33,11 +51,16 @@ const char *mfsdp_status_string(mfsdp_status_t status)
 size_t mfsdp_dtype_size(mfsdp_dtype_t dtype)
 {
     switch (dtype) {
-    case MFSDP_FLOAT32: return 4;
-    case MFSDP_BFLOAT16: return 2;
-    case MFSDP_FLOAT16: return 2;
-    case MFSDP_UINT8: return 1;
-    default: return 0;
+    case MFSDP_FLOAT32:
+        return 4;
+    case MFSDP_BFLOAT16:
+        return 2;
+    case MFSDP_FLOAT16:
+        return 2;
+    case MFSDP_UINT8:
+        return 1;
+    default:
+        return 0;
     }
 }
 

@@ -163,8 +163,8 @@ MFSDP_API uint16_t mfsdp_f32_to_f16(float x);
 MFSDP_API float mfsdp_f16_to_f32(uint16_t h);
 
 /**
- * @brief Geometry of one parameter inside an FSDP rank-major buffer (docs/design.md, "FSDP2's byte layout"),
- *        in bytes, so that mixed-dtype (uint8) groups use the same code.
+ * @brief Geometry of one parameter inside an FSDP rank-major buffer (docs/design.md, "FSDP2's byte
+ * layout"), in bytes, so that mixed-dtype (uint8) groups use the same code.
  */
 typedef struct mfsdp_strided_geom {
     int world;             /**< n */

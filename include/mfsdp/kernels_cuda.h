@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /**
  * @file kernels_cuda.h
- * @brief CUDA implementation of the kernel library (docs/design.md, "The optimizer step"): the operations of
- *        mfsdp/kernels.h with the prefix `mfsdp_cuda_`, on device memory.
+ * @brief CUDA implementation of the kernel library (docs/design.md, "The optimizer step"): the
+ * operations of mfsdp/kernels.h with the prefix `mfsdp_cuda_`, on device memory.
  *
  * Every operation is enqueued on the stream of a context (::mfsdp_cuda_ctx_t) and returns
  * as soon as the work is enqueued: no function synchronizes the device or the stream and

@@ -72,7 +72,8 @@ typedef struct mfsdp_schedule {
     double min_lr_ratio; /**< m in [0, 1] */
 } mfsdp_schedule_t;
 
-/** Optimizer hyper-parameters (docs/design.md, "The optimizer step"); defaults by mfsdp_hparams_default(). */
+/** Optimizer hyper-parameters (docs/design.md, "The optimizer step"); defaults by
+ * mfsdp_hparams_default(). */
 typedef struct mfsdp_hparams {
     double lr;                 /**< Muon learning rate (0.02) */
     double momentum;           /**< Muon beta (0.95) */

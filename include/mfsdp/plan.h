@@ -26,7 +26,8 @@ typedef struct mfsdp_shard {
     int64_t rows;      /**< 2-D view: shape[0] ... */
     int64_t cols;      /**< ... and product of the remaining dims (1 for 1-D params) */
     int64_t numel;     /**< rows * cols */
-    /* FSDP geometry of the all-gather layout (docs/design.md, "FSDP2's byte layout"), in elements. */
+    /* FSDP geometry of the all-gather layout (docs/design.md, "FSDP2's byte layout"), in elements.
+     */
     int64_t fsdp_c;      /**< rows per rank: ceil(shape[0] / n) (1-D: ceil(numel / n)) */
     int64_t fsdp_s;      /**< shard numel c * R */
     int64_t fsdp_o;      /**< offset in the per-rank block, in elements of the param dtype */

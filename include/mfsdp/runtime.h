@@ -10,8 +10,8 @@
  * its slices of sharded-tail tensors. FSDP's collectives map onto it:
  *
  *  - mfsdp_ctx_allgather() replaces `AllGather(send, recv, S, dtype)` of one param group:
- *    it fills FSDP's rank-major buffer (docs/design.md, "FSDP2's byte layout") from the owners, padding rows
- *    zeroed. The first call of a group also takes the initial weights from @p sendbuf
+ *    it fills FSDP's rank-major buffer (docs/design.md, "FSDP2's byte layout") from the owners,
+ * padding rows zeroed. The first call of a group also takes the initial weights from @p sendbuf
  *    (each rank's FSDP shard), so the job's own initialization is kept.
  *  - mfsdp_ctx_reduce() replaces `ReduceScatter(send, recv, S', dtype, op)`: every owner
  *    receives the op-reduced full gradient of the matrices it owns and accumulates it into

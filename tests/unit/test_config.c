@@ -42,10 +42,10 @@ Test(config, defaults)
 
 Test(config, values)
 {
-    kv_t env[] = {{"MFSDP_STEP", "LAZY"},     {"MFSDP_ACCUM_STEPS", "4"},
-                  {"MFSDP_MEM_LIMIT", "3G"},  {"MFSDP_CLIP", "1.5"},
-                  {"MFSDP_LR", "0.01"},       {"MFSDP_REDUCE_ALGO", "chain"},
-                  {"MFSDP_NESTEROV", "off"},  {NULL, NULL}};
+    kv_t env[] = {{"MFSDP_STEP", "LAZY"},    {"MFSDP_ACCUM_STEPS", "4"},
+                  {"MFSDP_MEM_LIMIT", "3G"}, {"MFSDP_CLIP", "1.5"},
+                  {"MFSDP_LR", "0.01"},      {"MFSDP_REDUCE_ALGO", "chain"},
+                  {"MFSDP_NESTEROV", "off"}, {NULL, NULL}};
     mfsdp_config_t cfg;
     char err[256];
     cr_assert_eq(mfsdp_config_parse(table_lookup, env, &cfg, err, sizeof(err)), MFSDP_OK, "%s",
