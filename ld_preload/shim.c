@@ -874,12 +874,13 @@ shim_result_t shim_allreduce(shim_comm_t *c, const shim_call_t *call, mfsdp_stat
             res = SHIM_PASS; /* a one-rank replicate group: a no-op, as FSDP2 issues it */
             goto out;
         }
-        shim_fatal(p, 1, MFSDP_ERR_UNSUPPORTED,
-                   "an all-reduce of group %s's reduce-scatter output (count %zu) over a "
-                   "communicator of %d ranks: this is HSDP, but the manifest declares no "
-                   "\"replicate\"; replicas would step on different gradients and drift apart "
-                   "(declare \"replicate\": %d)",
-                   group >= 0 ? p->man->groups[group].name : "?", call->count, c->size, c->size);
+        shim_fatal_mesh(p, c, MFSDP_ERR_UNSUPPORTED,
+                        "an all-reduce of group %s's reduce-scatter output (count %zu) over a "
+                        "communicator of %d ranks: this is HSDP, but the manifest declares no "
+                        "\"replicate\"; replicas would step on different gradients and drift apart "
+                        "(declare \"replicate\": %d)",
+                        group >= 0 ? p->man->groups[group].name : "?", call->count, c->size,
+                        c->size);
         *st_p = MFSDP_ERR_UNSUPPORTED;
         res = SHIM_ERROR;
         goto out;

@@ -157,6 +157,11 @@ extern __thread int shim_inside;
  * rank, as "mfsdp: error: ..." (not a WARN line), unless MFSDP_DEBUG=NONE. */
 void shim_fatal(shim_comm_t *c, int agreed, mfsdp_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+/* shim_fatal of an error that every shard group of an HSDP mesh reaches alike (on c, a shard
+ * communicator, at a call on its replicate communicator): printed once for the job, by the
+ * rank that is rank 0 of both. */
+void shim_fatal_mesh(shim_comm_t *c, const shim_comm_t *replicate, mfsdp_status_t st,
+                     const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 /* The summary line of the job at exit (unless MFSDP_DEBUG=NONE), on world rank 0; also the
  * end-of-job checks. Returns non-zero when the job must fail. */
 int shim_report_exit(int world_rank);

@@ -12,11 +12,14 @@
 
 #include "core/log.h"
 #include "ld_preload/shim.h"
+#include "mfsdp/checkpoint.h"
 
 static pthread_mutex_t report_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Counters of released comms (their context is gone by exit). */
 static struct {
     uint64_t calls, ag, rs, ar, passed, steps;
+    uint64_t saves;                /* checkpoints this rank took part in */
+    double max_stall, total_stall; /* seconds the training stream was held by them */
     size_t comms;
     int comm_size;
     size_t groups;
@@ -29,13 +32,12 @@ int shim_quiet(void)
     return lvl != NULL && (strcasecmp(lvl, "NONE") == 0 || strcasecmp(lvl, "VERSION") == 0);
 }
 
-void shim_fatal(shim_comm_t *c, int agreed, mfsdp_status_t st, const char *fmt, ...)
+/* print: 1 when this rank is the one to print an agreed error. */
+static void vfatal(shim_comm_t *c, int agreed, int print, mfsdp_status_t st, const char *fmt,
+                   va_list ap)
 {
     char msg[1024];
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
-    va_end(ap);
     MFSDP_INFO(SHIM, "fatal (%s): %s", agreed ? "every rank" : "this rank", msg);
     if (c->failed) {
         return; /* the first error stands: it was printed */
@@ -43,7 +45,7 @@ void shim_fatal(shim_comm_t *c, int agreed, mfsdp_status_t st, const char *fmt, 
     c->failed = 1;
     c->fail_status = st;
     snprintf(c->why, sizeof(c->why), "%s", msg);
-    if (shim_quiet() || (agreed && c->rank != 0)) {
+    if (shim_quiet() || (agreed && !print)) {
         return;
     }
     if (agreed) {
@@ -53,6 +55,23 @@ void shim_fatal(shim_comm_t *c, int agreed, mfsdp_status_t st, const char *fmt, 
         fprintf(stderr, "mfsdp: error on rank %d of %d: %s\n", c->rank, c->size, msg);
     }
     fflush(stderr);
+}
+
+void shim_fatal(shim_comm_t *c, int agreed, mfsdp_status_t st, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vfatal(c, agreed, c->rank == 0, st, fmt, ap);
+    va_end(ap);
+}
+
+void shim_fatal_mesh(shim_comm_t *c, const shim_comm_t *replicate, mfsdp_status_t st,
+                     const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vfatal(c, 1, c->rank == 0 && replicate->rank == 0, st, fmt, ap);
+    va_end(ap);
 }
 
 void shim_report_keep(const shim_comm_t *c)
@@ -68,6 +87,14 @@ void shim_report_keep(const shim_comm_t *c)
         mfsdp_ctx_stats_t s;
         if (mfsdp_ctx_get_stats(c->ctx, &s) == MFSDP_OK) {
             kept.steps += s.steps;
+        }
+        mfsdp_ckpt_stats_t cs;
+        if (mfsdp_ctx_get_ckpt_stats(c->ctx, &cs) == MFSDP_OK && cs.saves > 0) {
+            kept.saves += cs.saves;
+            kept.total_stall += cs.total_stall_seconds;
+            if (cs.max_stall_seconds > kept.max_stall) {
+                kept.max_stall = cs.max_stall_seconds;
+            }
         }
         kept.comms++;
         kept.comm_size = c->size;
@@ -92,14 +119,24 @@ int shim_report_exit(int world_rank)
     } else {
         snprintf(what, sizeof(what), "no MFSDP_MANIFEST: every call passed through");
     }
+    char saves[160] = "";
+    if (kept.saves > 0) {
+        /* A save holds the training stream only for the copy of the owned bytes (the files
+         * are written in the background): the user sees what that cost. */
+        snprintf(saves, sizeof(saves),
+                 "; %llu checkpoint save%s, training held %.1f ms per save (max %.1f ms)",
+                 (unsigned long long)kept.saves, kept.saves == 1 ? "" : "s",
+                 1e3 * kept.total_stall / (double)kept.saves, 1e3 * kept.max_stall);
+    }
     if (world_rank == 0 && !shim_quiet()) {
         fprintf(stderr,
                 "mfsdp: summary: %llu all-gathers, %llu reduce-scatters and %llu replicate "
-                "all-reduces remapped on %zu communicator%s%s, %llu calls passed through, "
-                "%llu optimizer steps over %zu groups; %s\n",
+                "all-reduces remapped on %zu communicator%s, %llu calls passed through, "
+                "%llu optimizer steps over %zu groups%s; %s\n",
                 (unsigned long long)kept.ag, (unsigned long long)kept.rs,
-                (unsigned long long)kept.ar, kept.comms, kept.comms == 1 ? "" : "s", "",
-                (unsigned long long)kept.passed, (unsigned long long)kept.steps, kept.groups, what);
+                (unsigned long long)kept.ar, kept.comms, kept.comms == 1 ? "" : "s",
+                (unsigned long long)kept.passed, (unsigned long long)kept.steps, kept.groups, saves,
+                what);
     }
     /* A manifest that matched nothing trained nothing: the job must not exit 0. */
     if (manifest && !shim_recording() && !fail && kept.calls > 0 && remapped == 0) {
