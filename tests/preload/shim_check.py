@@ -11,9 +11,10 @@
                  to the job without it (weights and loss trace), and the summary line says
                  that every call passed through.
   silent N       never silent: a manifest of another world size, MFSDP_* variables without a
-                 manifest, a misspelled MFSDP_* name, and one rank with another MFSDP_TAIL
-                 each stop the job with a non-zero exit and ONE error line naming the
-                 problem, within the test's timeout (no hang), and no weights written.
+                 manifest, a misspelled MFSDP_* name, one rank with another MFSDP_TAIL and
+                 (even N) an HSDP job whose manifest declares no "replicate" each stop the
+                 job with ONE error line naming the problem and a non-zero exit status on
+                 every rank, within the test's timeout (no hang), and no weights written.
   violation N    a manifest whose sequence the job contradicts: non-zero exit, an error
                  naming expected vs received, and no weights written.
   mode N         the job in one of its FSDP2 situations (fsdp_train_check.CASES: unused
@@ -38,6 +39,7 @@
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 
@@ -65,13 +67,24 @@ def mpirun(args, env_vars):
     return cmd
 
 
-def run_job(args, tmp, tag, extra, env_vars, expect_ok=True):
+# A failing run's ranks each report their own exit status (mpirun's alone says only that
+# one rank failed), and mpirun lets every rank finish instead of killing the others at the
+# first failure: a rank that would exit 0 is seen (one that would hang, by the timeout). A
+# rank that is killed with the job (MPI's fatal error handler in the MPI flavour, the job's
+# own MPI_Abort on an NCCL error) reports nothing; its exit is not 0 either.
+RANK_EXIT = "shim-check: rank exit "
+NO_ABORT = ["--mca", "orte_abort_on_non_zero_status", "0"]
+WRAP = ["sh", "-c", '"$@"; s=$?; echo "' + RANK_EXIT + '$s"; exit $s', "sh"]
+
+
+def run_job(args, tmp, tag, extra, env_vars, expect_ok=True, each_rank=False):
     out = os.path.join(tmp, tag + ".bin")
     env = shim_env(args, **env_vars)
-    cmd = mpirun(args, env_vars) + [exe_of(args)] + ftc.COMMON + extra + ["--dump-weights", out]
+    job = [exe_of(args)] + ftc.COMMON + extra + ["--dump-weights", out]
     if expect_ok:
-        text = ftc.run(cmd, out + ".log", env)
+        text = ftc.run(mpirun(args, env_vars) + job, out + ".log", env)
         return out, text
+    cmd = mpirun(args, env_vars) + (NO_ABORT + WRAP if each_rank else []) + job
     import subprocess
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=150, env=env)
@@ -135,10 +148,10 @@ def cmd_passthrough(args, tmp):
     print("ok: the summary line says every call passed through")
 
 
-def expect_one_error(proc, weights, needles, what):
-    """Non-zero exit, the needles in the output, exactly one 'mfsdp: error' line, no
-    weights (the test's subprocess timeout catches a hang)."""
-    expect_failure(proc, weights, needles, what)
+def expect_one_error(proc, weights, needles, what, ranks=None):
+    """Non-zero exit (on each of `ranks` ranks), the needles in the output, exactly one
+    'mfsdp: error' line, no weights (the test's subprocess timeout catches a hang)."""
+    expect_failure(proc, weights, needles, what, ranks)
     lines = [ln for ln in proc.stdout.splitlines() if "mfsdp: error" in ln]
     if len(lines) != 1:
         sys.stdout.write(proc.stdout[-3000:])
@@ -158,22 +171,27 @@ def cmd_silent(args, tmp):
     with open(other, "w") as f:
         json.dump(m, f)
     extra = STEPS + ["--optim", "adamw"]
-    w, proc = run_job(args, tmp, "worldsize", extra, preload_vars(args, other), expect_ok=False)
+    w, proc = run_job(args, tmp, "worldsize", extra, preload_vars(args, other), expect_ok=False,
+                      each_rank=True)
     expect_one_error(proc, w, [f"is for {args.np + 1} ranks", f"communicator of {args.np}",
-                               "nothing would be trained"], "manifest of another world size")
+                               "nothing would be trained"], "manifest of another world size",
+                     ranks=args.np)
     w, proc = run_job(args, tmp, "nomanifest", extra,
-                      {"LD_PRELOAD": args.preload, "MFSDP_GRAD_DIVIDE": "world"}, expect_ok=False)
+                      {"LD_PRELOAD": args.preload, "MFSDP_GRAD_DIVIDE": "world"}, expect_ok=False,
+                      each_rank=True)
     expect_one_error(proc, w, ["MFSDP_GRAD_DIVIDE is set but MFSDP_MANIFEST is not"],
-                     "MFSDP_* variables without a manifest")
+                     "MFSDP_* variables without a manifest", ranks=args.np)
     w, proc = run_job(args, tmp, "misspelled", extra,
-                      {"LD_PRELOAD": args.preload, "MFSDP_MANIFST": manifest}, expect_ok=False)
+                      {"LD_PRELOAD": args.preload, "MFSDP_MANIFST": manifest}, expect_ok=False,
+                      each_rank=True)
     expect_one_error(proc, w, ["unknown variable MFSDP_MANIFST", "did you mean MFSDP_MANIFEST"],
-                     "a misspelled variable")
+                     "a misspelled variable", ranks=args.np)
     # One rank with another MFSDP_TAIL: mpirun's MPMD form gives the last rank its own value.
     out = os.path.join(tmp, "rankdiff.bin")
     env = shim_env(args, LD_PRELOAD=args.preload, MFSDP_MANIFEST=manifest)
     base = [exe_of(args)] + ftc.COMMON + extra + ["--dump-weights", out]
-    cmd = [args.mpirun] + ftc.MPIRUN_FLAGS
+    base = WRAP + base
+    cmd = [args.mpirun] + ftc.MPIRUN_FLAGS + NO_ABORT
     if args.np > 1:
         cmd += ["-np", str(args.np - 1), "-x", "LD_PRELOAD", "-x", "MFSDP_MANIFEST",
                 "-x", "MFSDP_TAIL=shard"] + base + [":"]
@@ -184,12 +202,43 @@ def cmd_silent(args, tmp):
         f.write(" ".join(cmd) + "\n" + proc.stdout)
     if args.np > 1:
         expect_one_error(proc, out, ["MFSDP_TAIL differs across ranks", "'shard' on rank",
-                                     "'owner' on rank"], "one rank with another MFSDP_TAIL")
+                                     "'owner' on rank"], "one rank with another MFSDP_TAIL",
+                         ranks=args.np)
+    # HSDP on a mesh the manifest does not declare: the replicas would drift apart.
+    if args.np % 2 == 0:
+        hsdp = ["--hsdp", "2"]
+        path = os.path.join(tmp, "hsdp.json")
+        ftc.run(mpirun(args, {}) + [exe_of(args)] + ftc.COMMON + hsdp +
+                ["--steps", "0", "--optim", "none", "--write-manifest", path], path + ".log")
+        with open(path) as f:
+            m = json.load(f)
+        if m.get("replicate") != 2:
+            raise SystemExit(f"FAIL: the HSDP job's manifest declares replicate "
+                             f"{m.get('replicate')}, want 2")
+        del m["replicate"]
+        undeclared = os.path.join(tmp, "hsdp-undeclared.json")
+        with open(undeclared, "w") as f:
+            json.dump(m, f)
+        w, proc = run_job(args, tmp, "hsdp-undeclared", extra + hsdp,
+                          preload_vars(args, undeclared), expect_ok=False, each_rank=True)
+        expect_one_error(proc, w, ["this is HSDP, but the manifest declares no \"replicate\"",
+                                   "drift apart"], "HSDP on an undeclared mesh", ranks=args.np)
 
 
-def expect_failure(proc, weights, needles, what):
+def expect_failure(proc, weights, needles, what, ranks=None):
+    """ranks: the number of ranks whose own exit status must be non-zero (run_job's
+    failing runs report one line each)."""
     if proc.returncode == 0:
         raise SystemExit(f"FAIL: {what}: the job exited 0")
+    if ranks is not None:
+        codes = [ln.split(RANK_EXIT, 1)[1].strip() for ln in proc.stdout.splitlines()
+                 if RANK_EXIT in ln]
+        if len(codes) > ranks or "0" in codes:
+            sys.stdout.write(proc.stdout[-3000:])
+            raise SystemExit(f"FAIL: {what}: rank exit statuses {codes} of {ranks} ranks, "
+                             "want only non-zero ones")
+        print(f"ok: {what}: rank exit statuses {codes}"
+              f"{f', {ranks - len(codes)} killed with the job' if len(codes) < ranks else ''}")
     for n in needles:
         if n not in proc.stdout:
             sys.stdout.write(proc.stdout[-3000:])
@@ -211,9 +260,10 @@ def cmd_violation(args, tmp):
     with open(bad, "w") as f:
         json.dump(m, f)
     w, proc = run_job(args, tmp, "violated", STEPS + ["--optim", "adamw"],
-                      preload_vars(args, bad), expect_ok=False)
+                      preload_vars(args, bad), expect_ok=False, each_rank=True)
     expect_one_error(proc, w, ["expected reduce_scatter(count=", "of group blocks.0",
-                               "received reduce_scatter(count="], "sequence violation")
+                               "received reduce_scatter(count="], "sequence violation",
+                     ranks=args.np)
 
 
 def cmd_record(args, tmp):
@@ -367,8 +417,8 @@ def cmd_ckpt_errors(args, tmp):
     ]
     for tag, kv, needles in cases:
         w, proc = run_job(args, tmp, tag, extra, preload_vars(args, manifest, **kv),
-                          expect_ok=False)
-        expect_one_error(proc, w, needles, tag)
+                          expect_ok=False, each_rank=True)
+        expect_one_error(proc, w, needles, tag, ranks=args.np)
     # The same manifest without tail job: a save at the end, then a resume of it with a
     # manifest of other hyper-parameters is refused (the checkpoint's manifest must match).
     w, text = run_job(args, tmp, "saved", extra, preload_vars(args, manifest,
@@ -376,7 +426,11 @@ def cmd_ckpt_errors(args, tmp):
     step, _ = latest_step(root)
     if step != 3:
         raise SystemExit(f"FAIL: the job's end saved step {step}, want 3")
-    print("ok: a save at the end of the job (step 3)")
+    stall = re.search(r"; (\d+) checkpoint saves?, training held ([0-9.]+) ms per save "
+                      r"\(max ([0-9.]+) ms\)", text)
+    if stall is None or int(stall.group(1)) != 1:
+        raise SystemExit("FAIL: the summary line does not report the one save and its stall")
+    print(f"ok: a save at the end of the job (step 3), stall {stall.group(2)} ms reported")
     # MFSDP_INIT: the saved weights exported as one safetensors file start a new job, whose
     # final all-gather (no step) returns them bitwise.
     tool = os.path.join(os.path.dirname(args.plan), "mfsdp-ckpt")
@@ -393,9 +447,11 @@ def cmd_ckpt_errors(args, tmp):
     with open(other, "w") as f:
         json.dump(m, f)
     w, proc = run_job(args, tmp, "mismatch", extra,
-                      preload_vars(args, other, MFSDP_RESUME=root), expect_ok=False)
+                      preload_vars(args, other, MFSDP_RESUME=root), expect_ok=False,
+                      each_rank=True)
     expect_one_error(proc, w, ["could not be loaded", p["name"]],
-                     "resume with a manifest whose roles differ from the checkpoint's")
+                     "resume with a manifest whose roles differ from the checkpoint's",
+                     ranks=args.np)
 
 
 def main():
