@@ -797,6 +797,10 @@ mfsdp_status_t mfsdp_ctx_save(mfsdp_ctx_h ctx, const char *dir)
     hit("save:snapshot", job->name);
     cs->stats.saves++;
     cs->stats.stall_seconds = now() - t0;
+    cs->stats.total_stall_seconds += cs->stats.stall_seconds;
+    if (cs->stats.stall_seconds > cs->stats.max_stall_seconds) {
+        cs->stats.max_stall_seconds = cs->stats.stall_seconds;
+    }
     cs->stats.snapshot_bytes = bytes;
     cs->job = job;
     if (pthread_create(&job->th, NULL, writer_main, job) == 0) {

@@ -45,23 +45,25 @@ extern "C" {
 
 /** Per-rank figures of a context's checkpoint activity (mfsdp_ctx_get_ckpt_stats()). */
 typedef struct mfsdp_ckpt_stats {
-    uint64_t saves;          /**< saves started */
-    uint64_t commits;        /**< saves completed and committed (seen by save_wait) */
-    uint64_t loads;          /**< successful loads */
-    double stall_seconds;    /**< last save: time the caller was held (copy of the owned
-                                  bytes, the gather of sharded-tail weights, agreement);
-                                  pending lazy steps run before and are not counted */
-    uint64_t snapshot_bytes; /**< last save: bytes copied on this rank */
-    double wait_seconds;     /**< last save: time it first waited for the previous save's
-                                  background write (0 when that one had finished) */
-    double write_seconds;    /**< last completed save: this rank's background write of its
-                                  two files (fsync included) */
-    uint64_t write_bytes;    /**< last completed save: bytes this rank wrote */
-    double load_seconds;     /**< last load: wall time on this rank */
-    uint64_t load_bytes;     /**< last load: tensor bytes this rank read */
-    uint64_t verify_bytes;   /**< last load: file bytes this rank read to verify checksums */
-    int64_t step;            /**< step of the last committed save or of the loaded
-                                  checkpoint; -1 when none */
+    uint64_t saves;             /**< saves started */
+    uint64_t commits;           /**< saves completed and committed (seen by save_wait) */
+    uint64_t loads;             /**< successful loads */
+    double stall_seconds;       /**< last save: time the caller was held (copy of the owned
+                                     bytes, the gather of sharded-tail weights, agreement);
+                                     pending lazy steps run before and are not counted */
+    uint64_t snapshot_bytes;    /**< last save: bytes copied on this rank */
+    double wait_seconds;        /**< last save: time it first waited for the previous save's
+                                     background write (0 when that one had finished) */
+    double write_seconds;       /**< last completed save: this rank's background write of its
+                                     two files (fsync included) */
+    uint64_t write_bytes;       /**< last completed save: bytes this rank wrote */
+    double load_seconds;        /**< last load: wall time on this rank */
+    uint64_t load_bytes;        /**< last load: tensor bytes this rank read */
+    uint64_t verify_bytes;      /**< last load: file bytes this rank read to verify checksums */
+    int64_t step;               /**< step of the last committed save or of the loaded
+                                     checkpoint; -1 when none */
+    double max_stall_seconds;   /**< largest stall_seconds of all saves */
+    double total_stall_seconds; /**< sum of stall_seconds over all saves */
 } mfsdp_ckpt_stats_t;
 
 /**

@@ -3,10 +3,10 @@
 """Owner checkpoints across processes (suite `mpi`), driving tests/mpi/test_ckpt and
 tools/mfsdp-ckpt.
 
-  resume    train 6 steps at 4 ranks and save; resume at 1, 2, 3 and 4 ranks (other tail
-            policies and algorithms): the loaded state is bitwise the saved one, and 4 more
-            steps match an uninterrupted run (bitwise at 4 ranks with `direct`, 1e-5
-            relative otherwise); the lazy step mode too.
+  resume    train 10 steps at 4 ranks and save; resume at 1, 2, 3 and 4 ranks (other tail
+            policies and algorithms): the loaded state is bitwise the saved one, and 10 more
+            steps match 20 uninterrupted steps at 4 ranks (bitwise at 4 ranks with `direct`,
+            1e-5 relative otherwise); the lazy step mode too (6 + 4 steps).
   tools     mfsdp-ckpt info/verify; reshard 4 -> 3 and 4 -> 2 (and back to 5), each resumed
             and loaded bitwise; export-full (param dtype, --fp32) loaded with load_full
             (fp32 masters bitwise); import-full of the fp32 export trains like load_full; every
@@ -18,7 +18,8 @@ tools/mfsdp-ckpt.
   corrupt   damaged copies of a 2-rank checkpoint refused by the collective load.
   python    Python's `safetensors` reads the exported file and the per-rank model files (via
             the index's weight_map) and finds exactly the trained weights and fp32 masters
-            (skipped, exit 77, without /root/.cache/mfsdp/venv).
+            (the venv's python: MFSDP_TEST_PYTHON, as scripts/test.sh sets it, else
+            ~/.cache/mfsdp/venv; skipped, exit 77, only when neither is set up).
   perf      save/load throughput per rank (figures printed, not asserted).
 """
 import argparse
@@ -31,7 +32,8 @@ import sys
 import tempfile
 
 MPIRUN_FLAGS = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
-VENV_PY = "/root/.cache/mfsdp/venv/bin/python"
+VENV_PY = os.environ.get("MFSDP_TEST_PYTHON") or os.path.expanduser(
+    "~/.cache/mfsdp/venv/bin/python")
 
 
 def run(cmd, expect=0, timeout=120, quiet=False):
@@ -57,20 +59,22 @@ def tool(args, *rest, expect=0):
     return run([args.tool] + list(rest), expect=expect, quiet=True)
 
 
-def save(args, tmp, name, np=4, extra=()):
+def save(args, tmp, name, np=4, extra=(), steps=6):
     root = os.path.join(tmp, name)
-    mpi(args, np, "save", root, "--steps", "6", *extra)
+    mpi(args, np, "save", root, "--steps", str(steps), *extra)
     return root
 
 
 def case_resume(args, tmp):
-    root = save(args, tmp, "r")
+    # 10 steps at 4 ranks, saved; resumed elsewhere for 10 more: against 20 uninterrupted
+    # steps at 4 ranks (the saving run goes on: root.ref-more).
+    root = save(args, tmp, "r", extra=["--more", "10"], steps=10)
     tool(args, "verify", root)
     for np, extra in [(4, ["--bitwise"]), (4, ["--tail", "owner", "--bitwise"]),
                       (3, ["--tail", "owner", "--algo", "chain"]), (2, ["--tail", "auto"]),
                       (1, ["--algo", "native"])]:
         print(f"resume at {np} ranks {' '.join(extra)}")
-        mpi(args, np, "resume", root, "--steps", "6", "--more", "4", *extra)
+        mpi(args, np, "resume", root, "--steps", "10", "--more", "10", *extra)
     lazy = save(args, tmp, "lazy", np=3, extra=["--lazy", "--algo", "chain"])
     print("resume a lazy-step job at 2 ranks")
     mpi(args, 2, "resume", lazy, "--steps", "6", "--more", "4", "--lazy")
@@ -213,6 +217,8 @@ def case_corrupt(args, tmp):
 
 def case_python(args, tmp):
     if not os.path.exists(VENV_PY):
+        if os.environ.get("MFSDP_TEST_PYTHON"):
+            raise SystemExit(f"FAIL: MFSDP_TEST_PYTHON={VENV_PY} does not exist")
         print(f"SKIP: {VENV_PY} is absent: the check with Python's safetensors needs it")
         raise SystemExit(77)
     root = save(args, tmp, "p", np=3)
