@@ -274,7 +274,7 @@ mfsdp_status_t mfsdp_arena_create(const mfsdp_arena_sizes_t *sizes, size_t scrat
         a->base = p;
     } else if (off != 0) {
         /* An anonymous mapping is page-aligned, zeroed and never returned to a caching
-         * allocator: the "pinned owner buffer" of DESIGN.md section 7. */
+         * allocator: the "pinned owner buffer" of docs/design.md, "Layers" (owner arenas). */
         void *p = mmap(NULL, off, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) {
             MFSDP_WARN("cannot map the %zu-byte owner arena: %m", off);

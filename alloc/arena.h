@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Per-rank owner arenas (DESIGN.md section 7).
+ * Per-rank owner arenas (docs/design.md, "Layers" (owner arenas)).
  *
  * One arena per context and rank, sized from the plan, allocated once and kept: fp32
  * master weights, comm-dtype copies, fp32 gradient accumulators, Muon momentum and AdamW

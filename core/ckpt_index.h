@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Owner checkpoints (DESIGN.md section 8): what goes into which file, and the index.
+ * Owner checkpoints (docs/checkpoints.md): what goes into which file, and the index.
  *
  * A checkpoint of a plan at world size N is 2N safetensors files plus an index:
  *  - model-RRRRR-of-NNNNN.safetensors (RRRRR = rank, from 0): the whole weights, in the

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Checkpoint directories on disk (DESIGN.md section 8): the crash-safe write protocol, the
+ * Checkpoint directories on disk (docs/checkpoints.md): the crash-safe write protocol, the
  * reader and the verifier. Used by the runtime (save and load of a context) and offline by
  * tools/mfsdp-ckpt.
  *

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * FSDP2's byte layout of one param group (DESIGN.md section 3), computed exactly.
+ * FSDP2's byte layout of one param group (docs/design.md, "FSDP2's byte layout"), computed exactly.
  *
  * For param i with shape (N0, rest...) at world size n: R = prod(rest) (1 for 1-D),
  * c = ceil(N0 / n) rows per rank, s = c * R elements per rank, o = sum of earlier s

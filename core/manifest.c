@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * The `mfsdp-manifest/1` contract (DESIGN.md section 4): a strict jansson-based parser and
+ * The `mfsdp-manifest/1` contract (docs/manifest.md): a strict jansson-based parser and
  * a canonical writer.
  *
  * Keys are read in a fixed order (not document order), so the first error reported does
@@ -533,7 +533,7 @@ static mfsdp_status_t parse_iteration(parse_ctx_t *ctx, json_t *o, mfsdp_iterati
     return MFSDP_OK;
 }
 
-/* Default optimizer rule of DESIGN.md section 4. */
+/* Default optimizer rule of docs/manifest.md. */
 static mfsdp_role_t default_role(const char *name, int ndim)
 {
     static const char *const tail_names[] = {"embed", "lm_head", "wte", "wpe"};

@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Call identification for the shim (DESIGN.md section 6, docs/manifest.md "Identification
- * rules"): which param group (and, for a reduce-scatter, which of its params) an intercepted
- * collective belongs to. Every decision is a pure function of (kind, count, dtype) and call
- * order, which are identical on every rank, so all ranks decide the same way and none hangs.
+ * Call identification for the shim (docs/design.md, "Identification", docs/manifest.md
+ * "Identification rules"): which param group (and, for a reduce-scatter, which of its params) an
+ * intercepted collective belongs to. Every decision is a pure function of (kind, count, dtype) and
+ * call order, which are identical on every rank, so all ranks decide the same way and none hangs.
  *
  * Sequence mode (the manifest has a "sequence"): the calls follow the cycle, with the
  * manifest's "iteration" variants (forward-only passes, no-sync passes) and optional entries.

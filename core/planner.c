@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Owner planner (DESIGN.md section 4): assigns every Muon matrix (and, by tail policy, every
+ * Owner planner (docs/design.md, "Owners"): assigns every Muon matrix (and, by tail policy, every
  * AdamW tensor) to one owner rank, balancing Newton-Schulz FLOPs and owned bytes at once.
  *
  * The plan must be byte-identical on every rank, so everything here is a pure function of
@@ -41,7 +41,7 @@
  *   - or its whole arena cost does not fit mem_limit.
  * Everything else (norms, biases, small embeddings) stays whole on an owner.
  *
- * Arena accounting (DESIGN.md section 7), in elements per category, and bytes:
+ * Arena accounting (docs/design.md, "Layers" (owner arenas)), in elements per category, and bytes:
  *   Muon          MASTER, COMM, GRAD, MOMENTUM     numel * (4 + elt + 4 + 4)
  *   AdamW whole   MASTER, COMM, GRAD, ADAM_M, ADAM_V  numel * (4 + elt + 4 + 4 + 4)
  *   AdamW sharded every rank keeps its FSDP shard s = c * R elements in MASTER, COMM, GRAD,

@@ -4,9 +4,9 @@
  *
  * FSDP2 reduce-scatters only the params that got a gradient in this backward (frozen and
  * unused params drop out), so a count may be the group's full S' or the sum of the
- * per-rank shard sizes of a subset of its requires_grad params (DESIGN.md section 3; there
- * is no padding between params, and every shard size is at least 1, so the full set is the
- * only set giving S'). A count is explained by a set of *missing* params: any set for groups
+ * per-rank shard sizes of a subset of its requires_grad params (docs/design.md, "FSDP2's byte
+ * layout"; there is no padding between params, and every shard size is at least 1, so the full set
+ * is the only set giving S'). A count is explained by a set of *missing* params: any set for groups
  * of at most MFSDP_RS_ENUM_PARAMS trainable params, otherwise at most MFSDP_RS_MAX_MISSING of
  * them. A count that two sets explain is ambiguous: callers must not pick one.
  *

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Owner-collective schedules (DESIGN.md section 4): for each param group, the owner
+ * Owner-collective schedules (docs/design.md, "Owners"): for each param group, the owner
  * segments (one per owned tensor), the packed sharded-tail part, and for each rank a
  * deterministic op list for owner-broadcast (all-gather) and reduce-to-owner
  * (reduce-scatter) under one algorithm. Everything here is a pure function of the plan,

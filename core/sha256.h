@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * SHA-256 of checkpoint files (DESIGN.md section 8), through OpenSSL's libcrypto EVP API.
+ * SHA-256 of checkpoint files (docs/checkpoints.md), through OpenSSL's libcrypto EVP API.
  * Digests are handled as 64 lowercase hex characters plus a NUL, the form the checkpoint
  * index stores.
  */

@@ -509,7 +509,7 @@ static shim_result_t execute(shim_comm_t *c, size_t group, const unsigned char *
         created = st == MFSDP_OK;
     }
     if (st == MFSDP_OK) {
-        /* Everything this call enqueues goes on its stream (DESIGN.md section 6). */
+        /* Everything this call enqueues goes on its stream (docs/design.md, "Identification"). */
         st = mfsdp_ctx_set_stream(c->ctx, call->stream);
     }
     char why[512] = ""; /* a checkpoint step's failure */

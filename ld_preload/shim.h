@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Front-end-independent state of the LD_PRELOAD shim (DESIGN.md section 6,
+ * Front-end-independent state of the LD_PRELOAD shim (docs/design.md, "Identification",
  * docs/design.md): the configuration and manifest, one entry per intercepted communicator,
  * the two identification modes (sequence: core/matcher.c; tagged: shim_tag.c), the
  * never-silent rules (shim_report.c) and MFSDP_RECORD (shim_record.c). The NCCL and MPI

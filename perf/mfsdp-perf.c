@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * mfsdp-perf: the performance harness (DESIGN.md section 10), in the style of nccl-tests.
+ * mfsdp-perf: the performance harness (docs/PERFORMANCE.md), in the style of nccl-tests.
  *
  *   mfsdp-perf <subcommand> [flags]
  *
@@ -152,7 +152,7 @@ typedef struct ns_op {
     long (*check)(const ns_case_t *c); /* #wrong after a run */
 } ns_op_t;
 
-/* Nominal Newton-Schulz flops (DESIGN.md section 4): per step A = X X^T (2 s^2 l),
+/* Nominal Newton-Schulz flops (docs/design.md, "Owners"): per step A = X X^T (2 s^2 l),
  * A A (2 s^3), B X (2 s^2 l), whatever routines actually run. */
 static double ns_flops(const ns_case_t *c)
 {

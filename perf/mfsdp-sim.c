@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * mfsdp-sim: the scale simulator (DESIGN.md section 10). It runs the real owner planner
+ * mfsdp-sim: the scale simulator (docs/PERFORMANCE.md). It runs the real owner planner
  * (mfsdp_plan_create) on a manifest at 8...1024 ranks and projects, per configuration, the
  * optimizer step of four systems that train the same Muon + AdamW model:
  *
@@ -49,8 +49,8 @@
 #define MFSDP_MODELS_DIR "examples/models"
 #endif
 
-/* The paper's headline figures (arXiv 2607.05895, 64x A100; DESIGN.md section 1). Printed
- * next to the projection by --paper; they never enter the model. */
+/* The paper's headline figures (arXiv 2607.05895, 64x A100; docs/PERFORMANCE.md, "Comparison with
+ * the paper"). Printed next to the projection by --paper; they never enter the model. */
 #define PAPER_OPT_X_1NODE  4.2
 #define PAPER_OPT_X_8NODES 54.6
 #define PAPER_E2E_X_MAX    2.15
@@ -635,7 +635,7 @@ static void print_paper(FILE *f, const sim_row_t *rows, int nrows)
     }
     fprintf(f,
             "# paper: %.1fx at 8 GPUs (one node), %.1fx at 64 GPUs (eight nodes), up to "
-            "%.2fx end to end (configuration not stated in DESIGN.md)\n",
+            "%.2fx end to end (configuration not stated in the paper's summary)\n",
             PAPER_OPT_X_1NODE, PAPER_OPT_X_8NODES, PAPER_E2E_X_MAX);
 }
 

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * libnccl-tuner-mfsdp.so internals (DESIGN.md section 9, docs/tuner.md): the cost model
+ * libnccl-tuner-mfsdp.so internals (docs/tuner.md, docs/tuner.md): the cost model
  * for the owner-segment collectives (Broadcast, Reduce), the override rules read from
  * MFSDP_TUNER_CONFIG, and logging through the logger NCCL hands to init. The plugin
  * stands alone inside NCCL: libc only, nothing of libmfsdp.

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Owner-broadcast all-gather: FSDP's rank-major all-gather buffer filled from the owners
- * (DESIGN.md section 3), and the initial weights taken from a group's first all-gather.
+ * (docs/design.md, "FSDP2's byte layout"), and the initial weights taken from a group's first
+ * all-gather.
  */
 #include <math.h>
 #include <stdint.h>

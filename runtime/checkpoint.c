@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Owner checkpoints of a runtime context (DESIGN.md section 8; mfsdp/checkpoint.h).
+ * Owner checkpoints of a runtime context (docs/checkpoints.md; mfsdp/checkpoint.h).
  *
  * Save: after the pending lazy steps, every rank copies what it owns (weights in the param
  * dtype, fp32 masters of non-fp32 params, Muon momentum, AdamW moments, its sharded-tail

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 #
-# The one prepared check for a lent GPU machine (DESIGN.md section 12). Such a machine has
+# The one prepared check for a lent GPU machine (docs/gpu.md). Such a machine has
 # CUDA and PyTorch but maybe no meson/ninja/jansson/Open MPI/Criterion and no network, so
 # this builds what it needs with plain nvcc/gcc command lines (the CUDA kernels, the CPU
 # kernels they are compared with, core/status.c, core/log.c and two test programs; no

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Generate the reference manifests of examples/models/ (mfsdp-manifest/1, DESIGN.md section 4).
+"""Generate the reference manifests of examples/models/ (mfsdp-manifest/1, docs/manifest.md).
 
 Usage: scripts/gen-models.py [OUTDIR]   (default: examples/models next to this script)
 

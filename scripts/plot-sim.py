@@ -24,7 +24,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = [("mfsdp", "mfsdp (owner plan, ZeRO-3)"), ("fsdp2", "FSDP2-Muon (gather)"),
            ("dmuon", "DMuon-style (round robin)"), ("zero1", "ZeRO-1 owner placement")]
-PAPER = [(8, 4.2), (64, 54.6)]  # arXiv 2607.05895, 64x A100; DESIGN.md section 1
+PAPER = [(8, 4.2), (64, 54.6)]  # arXiv 2607.05895, 64x A100; docs/PERFORMANCE.md, "Comparison with the paper"
 
 
 def die(msg):

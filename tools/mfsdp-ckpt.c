@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * mfsdp-ckpt: inspect, verify and convert mfsdp owner checkpoints (DESIGN.md section 8,
+ * mfsdp-ckpt: inspect, verify and convert mfsdp owner checkpoints (docs/checkpoints.md,
  * docs/checkpoints.md) without a communicator.
  *
  * Exit status: 0 success, 1 bad input (a damaged, incomplete or mismatching checkpoint, an

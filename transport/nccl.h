@@ -6,7 +6,7 @@
  * an interposer such as the shim never overrides), so the same code runs over the real NCCL
  * on device memory and over the test-only NCCL-over-MPI library on host memory.
  *
- * Ordering (DESIGN.md section 6): every call is enqueued on the transport's stream
+ * Ordering (docs/design.md, "Identification"): every call is enqueued on the transport's stream
  * (set_stream), in order, and the functions return without waiting for the device. An op
  * list runs wave by wave (core/schedule.h, op->wave): one ncclGroupStart/End per wave holds
  * its sends, receives, broadcasts, reduces and sharded-tail collective; the executor's local

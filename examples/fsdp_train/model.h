@@ -22,7 +22,7 @@ typedef struct ft_dims {
     int tokens; /**< tokens per sample (bag of embeddings) */
 } ft_dims_t;
 
-/** Muon hyper-parameters (DESIGN.md section 5 defaults). */
+/** Muon hyper-parameters (docs/design.md, "The optimizer step" defaults). */
 #define FT_MUON_MOMENTUM 0.95f
 #define FT_MUON_NS_STEPS 5
 #define FT_NS_A          3.4445f
@@ -88,13 +88,13 @@ float ft_mse(int B, int C, const float *y, const float *t, float *dy);
 
 /* ---- optimizers ------------------------------------------------------------------------ */
 
-/** One AdamW step (DESIGN.md section 5) on n elements; t counts from 1. */
+/** One AdamW step (docs/design.md, "The optimizer step") on n elements; t counts from 1. */
 void ft_adamw_update(size_t n, float *w, const float *g, float *m, float *v, int t, float lr,
                      float eps, float wd);
 
 /**
- * Newton-Schulz orthogonalization of an m x k matrix U (DESIGN.md section 5): the result
- * (m x k, times the "keller" scale max(1, m/k)^0.5) goes to out. ws must hold
+ * Newton-Schulz orthogonalization of an m x k matrix U (docs/design.md, "The optimizer step"): the
+ * result (m x k, times the "keller" scale max(1, m/k)^0.5) goes to out. ws must hold
  * ft_ns_workspace(m, k) floats. Returns 0, or -1 when the sizes overflow an int.
  */
 int ft_newton_schulz(size_t m, size_t k, const float *U, float *out, float *ws);

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * AdamW with bias correction on a contiguous fp32 slice (DESIGN.md section 5): element-wise,
- * so a slice of a tensor updates exactly as the whole tensor would.
+ * AdamW with bias correction on a contiguous fp32 slice (docs/design.md, "The optimizer step"):
+ * element-wise, so a slice of a tensor updates exactly as the whole tensor would.
  */
 #include <math.h>
 

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * One Muon step on an owned fp32 matrix (DESIGN.md section 5).
+ * One Muon step on an owned fp32 matrix (docs/design.md, "The optimizer step").
  *
  * Workspace layout (floats), mfsdp_muon_workspace_elems(m, k) = m k + ns_ws(m, k):
  *   [0, mk)       U, the Nesterov/momentum update that Newton-Schulz orthogonalizes in place

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * CPU Newton-Schulz (DESIGN.md section 5) in fp32 on the GEMM layer of gemm.h.
+ * CPU Newton-Schulz (docs/design.md, "The optimizer step") in fp32 on the GEMM layer of gemm.h.
  *
  * With s = min(m, k) and l = max(m, k), X is the s x l orientation of the input. The input
  * is never transposed in memory: when m > k the row-major m x k buffer already is X^T, so

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Strided pack/unpack between FSDP2's rank-major buffer and a contiguous full matrix
- * (DESIGN.md section 3), and the squared norm used by global-norm clipping.
+ * (docs/design.md, "FSDP2's byte layout"), and the squared norm used by global-norm clipping.
  */
 #include <string.h>
 

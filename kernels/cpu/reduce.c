@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Fixed-order reduction for reduce-to-owner (DESIGN.md section 4, "direct"): each element
+ * Fixed-order reduction for reduce-to-owner (docs/design.md, "Owners", "direct"): each element
  * is summed over ranks 0..n-1 in that order in fp32, so the result is bitwise independent
  * of the order in which contributions arrived.
  */

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * One Muon step on the GPU (DESIGN.md section 5), per row block:
+ * One Muon step on the GPU (docs/design.md, "The optimizer step"), per row block:
  *   1. momentum kernel: M = beta M + (1-beta) G, U = nesterov ? (1-beta) G + beta M : M,
  *      written straight to the bf16 Newton-Schulz buffer, with the fixed-shape partial
  *      sums of squares of the rounded U (no fp32 copy of U);

@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Strided pack/unpack between FSDP's rank-major pieces and a contiguous matrix
- * (DESIGN.md section 3): pieces (r, i) sit at stride S, so the whole parameter is one
- * 2-D copy (cudaMemcpy2DAsync) plus one copy for a partial last piece, and the padding
- * rows are zeroed with cudaMemset2DAsync. No kernel.
+ * (docs/design.md, "FSDP2's byte layout"): pieces (r, i) sit at stride S, so the whole parameter is
+ * one 2-D copy (cudaMemcpy2DAsync) plus one copy for a partial last piece, and the padding rows are
+ * zeroed with cudaMemset2DAsync. No kernel.
  */
 #include "kernels/cuda/cuda_common.cuh"
 

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Multi-rank NCCL correctness on ONE GPU (DESIGN.md section 12): fork N ranks that all use
+ * Multi-rank NCCL correctness on ONE GPU (docs/gpu.md): fork N ranks that all use
  * device 0, each with its own NCCL_HOSTID so that NCCL treats them as separate hosts and
  * connects them through the socket transport on loopback (NCCL_IB_DISABLE=1,
  * NCCL_SOCKET_IFNAME=lo, NCCL_NET=Socket). Rank 0 creates the ncclUniqueId and the parent

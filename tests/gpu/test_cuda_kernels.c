@@ -505,7 +505,7 @@ static void test_pack_case(int world, int64_t rows, size_t rcols, size_t esz, si
     for (size_t i = 0; i < fb; i++) {
         full[i] = (uint8_t)rng_u64();
     }
-    /* Independent reference of the layout (DESIGN.md section 3). */
+    /* Independent reference of the layout (docs/design.md, "FSDP2's byte layout"). */
     for (int r = 0; r < world; r++) {
         int64_t real = rows - (int64_t)r * g.rows_per_rank;
         real = real < 0 ? 0 : real > g.rows_per_rank ? g.rows_per_rank : real;

@@ -1,10 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Test-only float64 reference of the Newton-Schulz iteration (DESIGN.md section 5), shared
- * by the CPU kernel tests, the GPU kernel check and the multi-rank training test:
- * X = in (transposed when m > k), X /= ||X||_F + 1e-7, steps of A = X X^T,
- * B = b A + c A A, X = a X + B X; the result back in the m x k layout. It is written
- * independently of kernels/ (plain loops, no BLAS). in and out may be the same buffer.
+ * Test-only float64 reference of the Newton-Schulz iteration (docs/design.md, "The optimizer
+ * step"), shared by the CPU kernel tests, the GPU kernel check and the multi-rank training test: X
+ * = in (transposed when m > k), X /= ||X||_F + 1e-7, steps of A = X X^T, B = b A + c A A, X = a X +
+ * B X; the result back in the m x k layout. It is written independently of kernels/ (plain loops,
+ * no BLAS). in and out may be the same buffer.
  */
 #ifndef MFSDP_TESTS_NS_REF_H
 #define MFSDP_TESTS_NS_REF_H

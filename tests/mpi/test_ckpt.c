@@ -178,7 +178,7 @@ static double get(const void *src, mfsdp_dtype_t dt, size_t e)
 }
 
 /* ---------------------------------------------------------------------------------------
- * FSDP buffers (DESIGN.md section 3), computed here independently
+ * FSDP buffers (docs/design.md, "FSDP2's byte layout"), computed here independently
  */
 typedef struct lay {
     size_t n;

@@ -381,7 +381,7 @@ static mfsdp_manifest_t *random_manifest(uint64_t seed)
 }
 
 /* ---------------------------------------------------------------------------------------
- * FSDP layout computed independently here (DESIGN.md section 3).
+ * FSDP layout computed independently here (docs/design.md, "FSDP2's byte layout").
  */
 typedef struct lay {
     size_t n;      /* entries */

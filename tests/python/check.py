@@ -9,14 +9,14 @@ and examples/pytorch/train_fsdp2.py. One test per invocation:
                            and local sharded sizes), every FSDP2 all-gather / reduce-scatter
                            / HSDP all-reduce on the wire is tagged right before it with its
                            group, and the counts, dtypes, ops and in-place flags on the wire
-                           are the ones the manifest's layout gives (DESIGN.md section 3)
+                           are the ones the manifest's layout gives (docs/design.md, "FSDP2's byte layout")
                            over exactly the params the tag flags; lr factors follow LambdaLR.
   adapter --np N           the job through the adapter (FSDP2 collectives on the test NCCL
                            library over MPI) ends with the same weights as on plain gloo.
   reference CONFIG --np N  the job on plain gloo (AdamW) vs the single-process reference
                            trainer (tests/python/reference.py --optim adamw).
   muon-refs                the reference's Muon variants agree: float32 vs float64 Muon
-                           (DESIGN.md section 5) and torch.optim.Muon (bf16 Newton-Schulz).
+                           (docs/design.md, "The optimizer step") and torch.optim.Muon (bf16 Newton-Schulz).
   units                    tests/python/units.py: shim binding, version guard, shim search,
                            path hook chaining (no FSDP2 job).
   errors --np 4|1          tests/python/errors_job.py: every refusal of the companion inside
@@ -235,7 +235,7 @@ def parse_trace(path):
 
 
 def layout_of(group, ws):
-    """DESIGN.md section 3 for one manifest group: [(c_i, s_i, o_i)]."""
+    """docs/design.md, "FSDP2's byte layout" for one manifest group: [(c_i, s_i, o_i)]."""
     out, off = [], 0
     for p in group["params"]:
         n0, rest = p["shape"][0], math.prod(p["shape"][1:])

@@ -11,7 +11,7 @@ each loss by --accum). clip_grad_norm_ and the LambdaLR schedule are applied as 
 
 Optimizers (--optim):
   adamw      every trainable param in the job's AdamW: what train_fsdp2.py does alone.
-  muon64     mfsdp's Muon (DESIGN.md section 5) in float64 for the 2-D block matrices (the
+  muon64     mfsdp's Muon (docs/design.md, "The optimizer step") in float64 for the 2-D block matrices (the
              params mfsdp's companion hands to the owners), the job's AdamW for the rest.
   muon32     the same Muon in float32 (the precision of mfsdp's CPU Newton-Schulz).
   torch-muon torch.optim.Muon for the block matrices (its Newton-Schulz runs in bfloat16 and
@@ -54,7 +54,7 @@ def muon_params(model):
 
 
 class Muon64:
-    """mfsdp's Muon (DESIGN.md section 5) in a given dtype: momentum, Nesterov,
+    """mfsdp's Muon (docs/design.md, "The optimizer step") in a given dtype: momentum, Nesterov,
     X / (||X||_F + 1e-7), 5 Newton-Schulz steps, keller scale max(1, rows/cols)^0.5."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5,

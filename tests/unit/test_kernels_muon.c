@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Muon and AdamW updates against float64 references of DESIGN.md section 5 written here
- * (momentum, Nesterov, Newton-Schulz per block, keller/moonlight scale, decoupled weight
+ * Muon and AdamW updates against float64 references of docs/design.md, "The optimizer step" written
+ * here (momentum, Nesterov, Newton-Schulz per block, keller/moonlight scale, decoupled weight
  * decay, comm-dtype copy; AdamW with bias correction over several steps).
  */
 #include <criterion/criterion.h>

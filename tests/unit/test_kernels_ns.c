@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * CPU Newton-Schulz against a float64 reference of the same iteration (DESIGN.md section 5),
- * written here independently: explicit transpose, naive triple loops.
+ * CPU Newton-Schulz against a float64 reference of the same iteration (docs/design.md, "The
+ * optimizer step"), written here independently: explicit transpose, naive triple loops.
  */
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>

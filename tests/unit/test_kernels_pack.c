@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Strided pack/unpack against FSDP2's layout (DESIGN.md section 3) computed here by hand
- * and by a plain per-row loop, and the squared norm against a float64 sum.
+ * Strided pack/unpack against FSDP2's layout (docs/design.md, "FSDP2's byte layout") computed here
+ * by hand and by a plain per-row loop, and the squared norm against a float64 sum.
  */
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* FSDP2 layout math (DESIGN.md section 3) against hand-computed offsets. */
+/* FSDP2 layout math (docs/design.md, "FSDP2's byte layout") against hand-computed offsets. */
 #include <criterion/criterion.h>
 #include <stdint.h>
 #include <stdlib.h>

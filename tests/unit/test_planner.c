@@ -418,7 +418,7 @@ ParameterizedTest(balance_case_t *c, planner, llama_balance)
                 c->tail, rf, rb);
     /* Tail policy owner puts the embedding and lm_head whole on two ranks: those hold
      * bytes but few FLOPs, the other ranks take their FLOPs share, so both bounds cannot be
-     * met at once (the hotspot DESIGN.md section 4 describes). auto and shard must. */
+     * met at once (the hotspot docs/design.md, "Owners" describes). auto and shard must. */
     double bound = c->tail == MFSDP_TAIL_OWNER ? 1.15 : 1.05;
     cr_expect_leq(rf, bound, "flops max/lb %.4f at n=%d", rf, c->n);
     cr_expect_leq(rb, bound, "bytes max/lb %.4f at n=%d", rb, c->n);

@@ -94,7 +94,7 @@ typedef struct mmodel {
     double ns_total;
 } mmodel_t;
 
-/* DESIGN.md section 4: muon for >= 2 dims unless the name contains embed, lm_head, wte or
+/* docs/manifest.md: muon for >= 2 dims unless the name contains embed, lm_head, wte or
  * wpe; an explicit "optimizer" wins. NS FLOPs steps (4 s^2 l + 2 s^3) per row block. */
 static mmodel_t read_model(const char *path)
 {
