@@ -419,6 +419,12 @@ def cmd_ckpt_errors(args, tmp):
         w, proc = run_job(args, tmp, tag, extra, preload_vars(args, manifest, **kv),
                           expect_ok=False, each_rank=True)
         expect_one_error(proc, w, needles, tag, ranks=args.np)
+    # Tagged mode (the PyTorch companion, no manifest) keeps the job's own checkpoints.
+    companion = {"LD_PRELOAD": args.preload, "MFSDP_COMPANION": "tag", "MFSDP_CKPT_DIR": root}
+    w, proc = run_job(args, tmp, "companion", extra, companion, expect_ok=False, each_rank=True)
+    expect_one_error(proc, w, ["MFSDP_CKPT_DIR, MFSDP_RESUME and MFSDP_INIT apply to jobs run "
+                               "with MFSDP_MANIFEST"], "checkpoint variables in tagged mode",
+                     ranks=args.np)
     # The same manifest without tail job: a save at the end, then a resume of it with a
     # manifest of other hyper-parameters is refused (the checkpoint's manifest must match).
     w, text = run_job(args, tmp, "saved", extra, preload_vars(args, manifest,
