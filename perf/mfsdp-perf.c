@@ -18,6 +18,9 @@
  *   reducescatter (mpirun) MPI_Reduce_scatter_block vs mfsdp_ctx_reduce (reduce-to-owner).
  *   optstep       (mpirun) the Muon step of a manifest's matrices: mfsdp owners vs
  *                 FSDP2-Muon (gather everywhere) vs DMuon-style (gather to one rank).
+ *   ckpt          (mpirun) owner checkpoints of a manifest's model: the save's stall, the
+ *                 background write and the load, in GB/s per rank; the loaded state is
+ *                 checked against the saved one.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -34,6 +37,12 @@
 #if MFSDP_HAVE_MPI
 #include <mpi.h>
 
+#include <ftw.h>
+#include <unistd.h>
+#include <sys/stat.h>
+
+#include "core/layout.h"
+#include "mfsdp/checkpoint.h"
 #include "mfsdp/manifest.h"
 #include "mfsdp/plan.h"
 #include "mfsdp/runtime_mpi.h"
@@ -1612,6 +1621,268 @@ done:
     mfsdp_manifest_free(m);
     return rc;
 }
+/* ---------------------------------------------------------------------------------------
+ * ckpt: owner-checkpoint save and load throughput (mfsdp_ctx_save / save_wait / load)
+ */
+
+typedef struct ckpt_state {
+    const char *manifest;
+    const char *dir;
+    const char *tail;
+} ckpt_state_t;
+
+static const struct option ckpt_long_opts[] = {
+    {"manifest", required_argument, NULL, 'M'},
+    {"dir", required_argument, NULL, 'D'},
+    {"tail", required_argument, NULL, 'T'},
+    {NULL, 0, NULL, 0},
+};
+
+static void ckpt_defaults(void *state)
+{
+    ckpt_state_t *st = state;
+    st->manifest = NULL;
+    st->dir = "mfsdp-perf-ckpt";
+    st->tail = "shard";
+}
+
+static int ckpt_parse_opt(void *state, int opt, const char *arg)
+{
+    ckpt_state_t *st = state;
+    switch (opt) {
+    case 'M':
+        st->manifest = arg;
+        return 0;
+    case 'D':
+        st->dir = arg;
+        return 0;
+    case 'T':
+        if (strcmp(arg, "owner") != 0 && strcmp(arg, "shard") != 0) {
+            return -1;
+        }
+        st->tail = arg;
+        return 0;
+    default:
+        return -1;
+    }
+}
+
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb;
+    (void)flag;
+    (void)ftw;
+    return remove(path);
+}
+
+/* Remove a directory tree (rank 0, between runs). */
+static void rm_tree(const char *path)
+{
+    nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+static mfsdp_status_t ckpt_ctx(const mfsdp_manifest_t *m, mfsdp_tail_policy_t tail,
+                               mfsdp_ctx_h *ctx_p)
+{
+    mfsdp_ctx_opts_t o;
+    memset(&o, 0, sizeof(o));
+    o.has_plan_opts = 1;
+    o.plan_opts.tail = tail;
+    o.gather_algo = MFSDP_ALGO_DIRECT;
+    o.reduce_algo = MFSDP_ALGO_DIRECT;
+    o.has_step_mode = 1;
+    o.step_mode = MFSDP_STEP_MANUAL;
+    o.accum_steps = 1;
+    o.has_clip = 1;
+    o.no_mlock = 1;
+    return mfsdp_ctx_create_mpi(m, &o, MPI_COMM_WORLD, ctx_p);
+}
+
+/* The first all-gather of every group gives the context its weights: rank r's shard bytes
+ * are a pattern of finite values of every dtype (bytes 0x38..0x3f). */
+static mfsdp_status_t ckpt_prime(mfsdp_ctx_h ctx, const mfsdp_manifest_t *m)
+{
+    mfsdp_status_t st = MFSDP_OK;
+    for (size_t g = 0; g < m->ngroups && st == MFSDP_OK; g++) {
+        mfsdp_group_layout_t *l = NULL;
+        st = mfsdp_group_layout_create(&m->groups[g], g_world, &l);
+        if (st != MFSDP_OK) {
+            break;
+        }
+        char *full = malloc(l->ag.bytes * (size_t)g_world);
+        if (full == NULL) {
+            st = MFSDP_ERR_NO_MEMORY;
+        } else {
+            char *mine = full + l->ag.bytes * (size_t)g_rank;
+            for (size_t b = 0; b < l->ag.bytes; b++) {
+                mine[b] = (char)(0x38 + ((b * 7 + (size_t)g_rank * 3 + g) & 7));
+            }
+            st = mfsdp_ctx_allgather(ctx, g, mine, full, l->ag.count, l->ag.dtype);
+        }
+        free(full);
+        mfsdp_group_layout_destroy(l);
+    }
+    return st;
+}
+
+/* Elements of every local tensor whose fp32 master or comm copy differs between a and b. */
+static long ckpt_compare(mfsdp_ctx_h a, mfsdp_ctx_h b, const mfsdp_manifest_t *m, int corrupt)
+{
+    long wrong = 0;
+    for (size_t g = 0; g < m->ngroups; g++) {
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            const char *name = m->groups[g].params[i].name;
+            mfsdp_param_view_t va, vb;
+            if (mfsdp_ctx_get_param(a, name, &va) != MFSDP_OK ||
+                mfsdp_ctx_get_param(b, name, &vb) != MFSDP_OK || va.local_elems != vb.local_elems) {
+                wrong++;
+                continue;
+            }
+            if (va.local_elems == 0) {
+                continue;
+            }
+            size_t elt = mfsdp_dtype_size(va.dtype);
+            for (size_t e = 0; e < va.local_elems; e++) {
+                float x = va.master[e];
+                if (corrupt && wrong == 0 && g_rank == 0 && e == 0) {
+                    x = -x - 1.0f; /* MFSDP_PERF_CORRUPT: the check must see this */
+                }
+                wrong += memcmp(&x, &vb.master[e], sizeof(float)) != 0 ||
+                         memcmp((const char *)va.comm + e * elt, (const char *)vb.comm + e * elt,
+                                elt) != 0;
+            }
+        }
+    }
+    return wrong;
+}
+
+static int ckpt_run(const perf_opts_t *o, void *state)
+{
+    const ckpt_state_t *st = state;
+    if (st->manifest == NULL) {
+        if (g_rank == 0) {
+            fprintf(stderr, "mfsdp-perf ckpt: --manifest is required\n");
+        }
+        return 2;
+    }
+    char err[256] = "";
+    mfsdp_manifest_t *m = NULL;
+    if (mfsdp_manifest_load(st->manifest, err, sizeof(err), &m) != MFSDP_OK) {
+        fprintf(stderr, "mfsdp-perf: manifest %s: %s\n", st->manifest, err);
+        return 2;
+    }
+    mfsdp_tail_policy_t tail = strcmp(st->tail, "owner") == 0 ? MFSDP_TAIL_OWNER : MFSDP_TAIL_SHARD;
+    mfsdp_ctx_h a = NULL;
+    mfsdp_status_t cs = ckpt_ctx(m, tail, &a);
+    if (cs == MFSDP_OK) {
+        cs = ckpt_prime(a, m);
+    }
+    if (cs != MFSDP_OK) {
+        fprintf(stderr, "mfsdp-perf ckpt: context: %s\n", mfsdp_status_string(cs));
+        mfsdp_ctx_destroy(&a);
+        mfsdp_manifest_free(m);
+        return 1;
+    }
+    const int runs = o->warmup + o->iters;
+    /* Per timed run, the slowest rank's figure (times) and this rank's bytes. */
+    double stall[64], wr[64], ld[64], wbw[64], lbw[64];
+    uint64_t snap = 0, wbytes = 0, lbytes = 0;
+    long wrong = 0;
+    int rc = 0;
+    if (g_rank == 0 && !o->json) {
+        fprintf(stderr,
+                "# mfsdp-perf ckpt: %s, %d ranks, tail %s, %d timed run(s) after %d warm-up; "
+                "each run saves into %s/run-K (fsync'ed files, committed index) and loads it "
+                "into a fresh context; median of the slowest rank, check %d\n",
+                st->manifest, g_world, st->tail, o->iters, o->warmup, st->dir, o->check);
+    }
+    for (int k = 0; k < runs && rc == 0; k++) {
+        char root[4096];
+        snprintf(root, sizeof(root), "%s/run-%d", st->dir, k);
+        if (g_rank == 0) {
+            rm_tree(root);
+        }
+        MPI_Barrier(MPI_COMM_WORLD);
+        mfsdp_status_t s1 = mfsdp_ctx_save(a, root);
+        mfsdp_status_t s2 = s1 == MFSDP_OK ? mfsdp_ctx_save_wait(a) : s1;
+        mfsdp_ckpt_stats_t sv, lv;
+        mfsdp_ctx_get_ckpt_stats(a, &sv);
+        mfsdp_ctx_h b = NULL;
+        mfsdp_status_t s3 = s2 == MFSDP_OK ? ckpt_ctx(m, tail, &b) : s2;
+        MPI_Barrier(MPI_COMM_WORLD);
+        mfsdp_status_t s4 = s3 == MFSDP_OK ? mfsdp_ctx_load(b, root) : s3;
+        if (s4 != MFSDP_OK) {
+            fprintf(stderr, "mfsdp-perf ckpt: rank %d: run %d: %s\n", g_rank, k,
+                    mfsdp_status_string(s4));
+            rc = 1;
+        } else {
+            mfsdp_ctx_get_ckpt_stats(b, &lv);
+            int t = k - o->warmup;
+            if (t >= 0) {
+                stall[t] = run_max(sv.stall_seconds);
+                wr[t] = run_max(sv.write_seconds);
+                ld[t] = run_max(lv.load_seconds);
+                /* per-rank bandwidth of the slowest rank */
+                double w = sv.write_seconds > 0 ? (double)sv.write_bytes / sv.write_seconds : 0;
+                double l = lv.load_seconds > 0
+                               ? (double)(lv.load_bytes + lv.verify_bytes) / lv.load_seconds
+                               : 0;
+                double wn = -w, ln = -l;
+                wbw[t] = -run_max(wn);
+                lbw[t] = -run_max(ln);
+                snap = sv.snapshot_bytes;
+                wbytes = sv.write_bytes;
+                lbytes = lv.load_bytes + lv.verify_bytes;
+            }
+            if (o->check && k == runs - 1) {
+                wrong = sum_long(ckpt_compare(a, b, m, corrupt_requested()));
+            }
+        }
+        mfsdp_ctx_destroy(&b);
+        int bad = rc;
+        MPI_Allreduce(&bad, &rc, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+        if (g_rank == 0) {
+            rm_tree(root);
+        }
+    }
+    if (rc == 0) {
+        double gsnap = run_max((double)snap), gw = run_max((double)wbytes),
+               gl = run_max((double)lbytes);
+        double mst = median(stall, o->iters), mwr = median(wr, o->iters),
+               mld = median(ld, o->iters), mwb = median(wbw, o->iters), mlb = median(lbw, o->iters);
+        if (g_rank == 0) {
+            if (o->json) {
+                printf("{\"subcommand\": \"ckpt\", \"system\": \"mfsdp\", \"ranks\": %d, "
+                       "\"manifest\": \"%s\", "
+                       "\"tail\": \"%s\", \"snapshot_bytes\": %.0f, \"write_bytes\": %.0f, "
+                       "\"load_bytes\": %.0f, \"stall_s\": %.6f, \"write_s\": %.6f, "
+                       "\"write_gbs\": %.4f, \"load_s\": %.6f, \"load_gbs\": %.4f, "
+                       "\"wrong\": %ld}\n",
+                       g_world, st->manifest, st->tail, gsnap, gw, gl, mst, mwr, mwb / 1e9, mld,
+                       mlb / 1e9, o->check ? wrong : 0);
+            } else {
+                printf("#  ranks snapshot-MB  stall-ms  write-MB   write-s  write-GB/s   load-MB"
+                       "    load-s   load-GB/s  #wrong\n"
+                       "%8d %12.1f %9.1f %9.1f %9.3f %11.3f %9.1f %9.3f %11.3f %7ld\n"
+                       "# per rank (max over ranks for bytes and times; GB/s of the slowest "
+                       "rank); load-MB counts tensor bytes read plus bytes read to verify "
+                       "checksums\n",
+                       g_world, gsnap / 1e6, 1e3 * mst, gw / 1e6, mwr, mwb / 1e9, gl / 1e6, mld,
+                       mlb / 1e9, o->check ? wrong : 0L);
+            }
+            fflush(stdout);
+        }
+        if (o->check && wrong != 0) {
+            rc = 1;
+        }
+    }
+    mfsdp_ctx_destroy(&a);
+    mfsdp_manifest_free(m);
+    if (g_rank == 0) {
+        rmdir(st->dir); /* only when empty: the runs removed their own */
+    }
+    return rc;
+}
 #endif /* MFSDP_HAVE_MPI */
 
 /* ---------------------------------------------------------------------------------------
@@ -1667,6 +1938,21 @@ static const perf_subcmd_t subcmds[] = {
         .defaults = opt_defaults,
         .parse_opt = opt_parse_opt,
         .run = opt_run,
+        .mpi = 1,
+    },
+    {
+        .name = "ckpt",
+        .summary = "owner-checkpoint save (stall, write) and load throughput per rank (mpirun)",
+        .usage = "  -M, --manifest FILE        model manifest (required)\n"
+                 "  -D, --dir DIR              checkpoint root, emptied per run (default "
+                 "mfsdp-perf-ckpt)\n"
+                 "      --tail owner|shard     tail policy of the plan (default shard)\n",
+        .short_opts = "M:D:",
+        .opts = ckpt_long_opts,
+        .state_size = sizeof(ckpt_state_t),
+        .defaults = ckpt_defaults,
+        .parse_opt = ckpt_parse_opt,
+        .run = ckpt_run,
         .mpi = 1,
     },
 #endif

@@ -17,11 +17,12 @@ import sys
 MPIRUN_FLAGS = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
 
 # Rows every subcommand must print per size (allgather/reducescatter: native + mfsdp per
-# algorithm; optstep: three systems).
+# algorithm; optstep: three systems; ckpt: one row).
 ROW_KEYS = {
     "allgather": ["wrong", "ip_wrong"],
     "reducescatter": ["wrong"],
     "optstep": ["wrong"],
+    "ckpt": ["wrong"],
 }
 
 
