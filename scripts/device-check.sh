@@ -8,15 +8,19 @@
 # jansson), then runs, each under a timeout:
 #   1. tests/gpu/test_cuda_kernels: every CUDA kernel against the CPU kernels and float64
 #      references, then cuBLAS Newton-Schulz TFLOP/s against raw bf16 GEMMs;
-#   2. tests/gpu/nccl_ranks -n 2, 3, 4: forked ranks on the one GPU (distinct NCCL_HOSTID,
+#   2. tests/gpu/test_exec_cuda: the runtime's CUDA executor against its CPU executor, op by
+#      op, on a non-default stream;
+#   3. tests/gpu/nccl_ranks -n 2, 3, 4: forked ranks on the one GPU (distinct NCCL_HOSTID,
 #      sockets on loopback) checking all-gather, reduce-scatter, broadcast and reduce.
+# Not in it yet (docs/gpu.md, "Device check"): the shim and fsdp_train on the real NCCL.
 # It ends with a summary block to paste into a note (also written to
 # $BUILD/device-check-summary.txt, and copied with the logs into $OUT when that is set).
 #
 # Usage: scripts/device-check.sh [--build-only] [--no-perf] [--no-nccl]
 # Environment: MFSDP_DEVICE_BUILD (build dir, default build-device), CUDA_HOME, NCCL_HOME,
 #   MFSDP_DEVICE_ARCH (e.g. "90"; default: the GPU's compute capability, else 80 and 90),
-#   MFSDP_DEVICE_TIMEOUT_BUILD / _KERNELS / _NCCL (seconds; defaults 300 / 300 / 100).
+#   MFSDP_DEVICE_TIMEOUT_BUILD / _KERNELS / _NCCL (seconds; defaults 240 / 150 / 60),
+#   MFSDP_DEVICE_BUDGET (seconds after which no further stage starts; default 420).
 # Exit: 0 everything passed, 77 no GPU (the build still ran), 1 a build or check failed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -34,9 +38,13 @@ done
 
 b=${MFSDP_DEVICE_BUILD:-build-device}
 mkdir -p "$b/obj" || exit 1
-t_build=${MFSDP_DEVICE_TIMEOUT_BUILD:-300}
-t_kernels=${MFSDP_DEVICE_TIMEOUT_KERNELS:-300}
-t_nccl=${MFSDP_DEVICE_TIMEOUT_NCCL:-100}
+t_build=${MFSDP_DEVICE_TIMEOUT_BUILD:-240}
+t_kernels=${MFSDP_DEVICE_TIMEOUT_KERNELS:-150}
+t_nccl=${MFSDP_DEVICE_TIMEOUT_NCCL:-60}
+# The whole check stays under 8 minutes: a stage that would start after this many seconds
+# is skipped (and says so in the summary).
+budget=${MFSDP_DEVICE_BUDGET:-420}
+over_budget() { [ "$SECONDS" -ge "$budget" ]; }
 summary=()
 status=0
 note() { summary+=("$*"); echo "-- $*"; }
@@ -148,6 +156,15 @@ build() {
               -lpthread -ldl)
   [ "$blas" = 1 ] && libs+=(-lopenblas)
   gcc -o "$b/test_cuda_kernels" "$b"/obj/*.o "${libs[@]}" || return 1
+  # The executor test has a main of its own: built apart, linked with every object but
+  # test_cuda_kernels'.
+  mkdir -p "$b/exec"
+  gcc "${cflags[@]}" -c tests/gpu/test_exec_cuda.c -o "$b/exec/test_exec_cuda.o" || return 1
+  local objs=()
+  for o in "$b"/obj/*.o; do
+    [ "$(basename "$o")" = test_cuda_kernels.o ] || objs+=("$o")
+  done
+  gcc -o "$b/test_exec_cuda" "$b/exec/test_exec_cuda.o" "${objs[@]}" "${libs[@]}" || return 1
   if [ "$nccl" = 1 ]; then
     local ln=-lnccl
     [ -e "$nccl_lib/libnccl.so" ] || ln=-l:libnccl.so.2
@@ -157,7 +174,7 @@ build() {
   fi
 }
 echo "== build in $b (nvcc ${gencode[*]})"
-rm -f "$b"/obj/*.o "$b"/obj/*.log "$b/test_cuda_kernels" "$b/nccl_ranks"
+rm -f "$b"/obj/*.o "$b"/obj/*.log "$b/test_cuda_kernels" "$b/test_exec_cuda" "$b/nccl_ranks"
 t0=$(date +%s)
 export -f build
 export root b cuda cudalib nvcc blas nccl nccl_inc nccl_lib
@@ -207,9 +224,26 @@ if [ "$rc" = 77 ]; then
 fi
 [ "$rc" = 0 ] || status=1
 
+# ---------------------------------------------------------------- executor vs CPU executor
+if over_budget; then
+  note "executor: skipped, past the ${budget}s budget"
+else
+  echo "== test_exec_cuda (timeout ${t_kernels}s)"
+  timeout "$t_kernels" "$b/test_exec_cuda" 2>&1 | tee "$b/exec.log"
+  rc=${PIPESTATUS[0]}
+  counts=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$b/exec.log" | tail -1)
+  note "executor: ${counts:-no count line} (exit $rc$([ "$rc" = 124 ] && echo ', timed out'))"
+  while read -r l; do note "  $l"; done < <(grep '^FAIL' "$b/exec.log" | head -20)
+  [ "$rc" = 0 ] || status=1
+fi
+
 # ---------------------------------------------------------------- NCCL ranks
 if [ $nccl = 1 ]; then
   for n in 2 3 4; do
+    if over_budget; then
+      note "nccl n=$n: skipped, past the ${budget}s budget"
+      continue
+    fi
     echo "== nccl_ranks -n $n (timeout ${t_nccl}s)"
     timeout "$t_nccl" "$b/nccl_ranks" -n "$n" -t $(( t_nccl - 20 )) 2>&1 | tee "$b/nccl_ranks_$n.log"
     rc=${PIPESTATUS[0]}
