@@ -85,12 +85,25 @@ def run_job(args, tmp, tag, extra, env_vars, expect_ok=True, each_rank=False):
         text = ftc.run(mpirun(args, env_vars) + job, out + ".log", env)
         return out, text
     cmd = mpirun(args, env_vars) + (NO_ABORT + WRAP if each_rank else []) + job
+    return out, run_failing(cmd, env, out + ".log")
+
+
+def run_failing(cmd, env, log):
+    """Run a job that is expected to fail. Open MPI 4.1's mpirun itself sometimes dies with
+    SIGSEGV in its help-message forwarding when several ranks abort at once (seen about once
+    in ten runs of HSDP refusals); that is the launcher, not the job: run it once more then,
+    saying so, and judge the second run."""
     import subprocess
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=150, env=env)
-    with open(out + ".log", "w") as f:
-        f.write(" ".join(cmd) + "\n" + proc.stdout)
-    return out, proc
+    for attempt in (1, 2):
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=150, env=env)
+        with open(log, "w") as f:
+            f.write(" ".join(cmd) + "\n" + proc.stdout)
+        if proc.returncode >= 0 or "ORTE_ERROR_LOG" not in proc.stdout or attempt == 2:
+            return proc
+        print(f"note: mpirun died with signal {-proc.returncode} (Open MPI's own error "
+              "reporting); running the job once more")
+    return proc
 
 
 def write_manifest(args, tmp):
@@ -162,7 +175,6 @@ def expect_one_error(proc, weights, needles, what, ranks=None):
 
 
 def cmd_silent(args, tmp):
-    import subprocess
     manifest = write_manifest(args, tmp)
     with open(manifest) as f:
         m = json.load(f)
@@ -196,10 +208,7 @@ def cmd_silent(args, tmp):
         cmd += ["-np", str(args.np - 1), "-x", "LD_PRELOAD", "-x", "MFSDP_MANIFEST",
                 "-x", "MFSDP_TAIL=shard"] + base + [":"]
     cmd += ["-np", "1", "-x", "LD_PRELOAD", "-x", "MFSDP_MANIFEST", "-x", "MFSDP_TAIL=owner"] + base
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=150, env=env)
-    with open(out + ".log", "w") as f:
-        f.write(" ".join(cmd) + "\n" + proc.stdout)
+    proc = run_failing(cmd, env, out + ".log")
     if args.np > 1:
         expect_one_error(proc, out, ["MFSDP_TAIL differs across ranks", "'shard' on rank",
                                      "'owner' on rank"], "one rank with another MFSDP_TAIL",
