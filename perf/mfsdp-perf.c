@@ -467,6 +467,24 @@ static long sum_long(long v)
     return s;
 }
 
+/* The --manifest of a subcommand that needs one: 0 and *m_p, or the exit status (2) after
+ * one error line. */
+static int load_manifest(const char *sub, const char *path, mfsdp_manifest_t **m_p)
+{
+    if (path == NULL) {
+        if (g_rank == 0) {
+            fprintf(stderr, "mfsdp-perf %s: --manifest is required\n", sub);
+        }
+        return 2;
+    }
+    char err[256] = "";
+    if (mfsdp_manifest_load(path, err, sizeof(err), m_p) != MFSDP_OK) {
+        fprintf(stderr, "mfsdp-perf: manifest %s: %s\n", path, err);
+        return 2;
+    }
+    return 0;
+}
+
 /* Test-only: MFSDP_PERF_CORRUPT=1 flips one element of mfsdp's result on rank 0 after the
  * collective, so that tests can prove that the harness's check fails. */
 static int corrupt_requested(void)
@@ -1426,17 +1444,10 @@ typedef int (*opt_fn)(opt_ctx_t *, double *, double *);
 static int opt_run(const perf_opts_t *o, void *state)
 {
     const opt_state_t *st = state;
-    if (st->manifest == NULL) {
-        if (g_rank == 0) {
-            fprintf(stderr, "mfsdp-perf optstep: --manifest is required\n");
-        }
-        return 2;
-    }
-    char err[256] = "";
     mfsdp_manifest_t *m = NULL;
-    if (mfsdp_manifest_load(st->manifest, err, sizeof(err), &m) != MFSDP_OK) {
-        fprintf(stderr, "mfsdp-perf: manifest %s: %s\n", st->manifest, err);
-        return 2;
+    const int load_rc = load_manifest("optstep", st->manifest, &m);
+    if (load_rc != 0) {
+        return load_rc;
     }
     mfsdp_plan_opts_t po;
     memset(&po, 0, sizeof(po));
@@ -1759,17 +1770,10 @@ static long ckpt_compare(mfsdp_ctx_h a, mfsdp_ctx_h b, const mfsdp_manifest_t *m
 static int ckpt_run(const perf_opts_t *o, void *state)
 {
     const ckpt_state_t *st = state;
-    if (st->manifest == NULL) {
-        if (g_rank == 0) {
-            fprintf(stderr, "mfsdp-perf ckpt: --manifest is required\n");
-        }
-        return 2;
-    }
-    char err[256] = "";
     mfsdp_manifest_t *m = NULL;
-    if (mfsdp_manifest_load(st->manifest, err, sizeof(err), &m) != MFSDP_OK) {
-        fprintf(stderr, "mfsdp-perf: manifest %s: %s\n", st->manifest, err);
-        return 2;
+    const int load_rc = load_manifest("ckpt", st->manifest, &m);
+    if (load_rc != 0) {
+        return load_rc;
     }
     mfsdp_tail_policy_t tail = strcmp(st->tail, "owner") == 0 ? MFSDP_TAIL_OWNER : MFSDP_TAIL_SHARD;
     mfsdp_ctx_h a = NULL;
