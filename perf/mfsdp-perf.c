@@ -467,6 +467,27 @@ static long sum_long(long v)
     return s;
 }
 
+/* A context of the harness on MPI_COMM_WORLD: the given tail policy and algorithm (both
+ * directions), manual steps, one reduce per step, no clipping, no page-locking (the figures
+ * must not depend on the mlock limit). The context borrows m. */
+static mfsdp_status_t perf_ctx_create(const mfsdp_manifest_t *m, mfsdp_tail_policy_t tail,
+                                      mfsdp_algo_t algo, mfsdp_ctx_h *ctx_p)
+{
+    mfsdp_ctx_opts_t o;
+    memset(&o, 0, sizeof(o));
+    o.has_plan_opts = 1;
+    o.plan_opts.tail = tail;
+    o.gather_algo = algo;
+    o.reduce_algo = algo;
+    o.has_step_mode = 1;
+    o.step_mode = MFSDP_STEP_MANUAL;
+    o.accum_steps = 1;
+    o.has_clip = 1;
+    o.clip = 0.0;
+    o.no_mlock = 1;
+    return mfsdp_ctx_create_mpi(m, &o, MPI_COMM_WORLD, ctx_p);
+}
+
 /* The --manifest of a subcommand that needs one: 0 and *m_p, or the exit status (2) after
  * one error line. */
 static int load_manifest(const char *sub, const char *path, mfsdp_manifest_t **m_p)
@@ -992,19 +1013,7 @@ static int coll_setup(coll_case_t *c, mfsdp_algo_t algo)
         fprintf(stderr, "mfsdp-perf: synthesized manifest: %s %s\n", mfsdp_status_string(st), err);
         return -1;
     }
-    mfsdp_ctx_opts_t o;
-    memset(&o, 0, sizeof(o));
-    o.has_plan_opts = 1;
-    o.plan_opts.tail = MFSDP_TAIL_OWNER;
-    o.gather_algo = algo;
-    o.reduce_algo = algo;
-    o.has_step_mode = 1;
-    o.step_mode = MFSDP_STEP_MANUAL;
-    o.accum_steps = 1;
-    o.has_clip = 1;
-    o.clip = 0.0;
-    o.no_mlock = 1;
-    st = mfsdp_ctx_create_mpi(m, &o, MPI_COMM_WORLD, &c->ctx);
+    st = perf_ctx_create(m, MFSDP_TAIL_OWNER, algo, &c->ctx);
     /* The context borrows the manifest: it lives until coll_teardown(). */
     if (st != MFSDP_OK) {
         fprintf(stderr, "mfsdp-perf: context: %s\n", mfsdp_status_string(st));
@@ -1692,23 +1701,6 @@ static void rm_tree(const char *path)
     nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
 }
 
-static mfsdp_status_t ckpt_ctx(const mfsdp_manifest_t *m, mfsdp_tail_policy_t tail,
-                               mfsdp_ctx_h *ctx_p)
-{
-    mfsdp_ctx_opts_t o;
-    memset(&o, 0, sizeof(o));
-    o.has_plan_opts = 1;
-    o.plan_opts.tail = tail;
-    o.gather_algo = MFSDP_ALGO_DIRECT;
-    o.reduce_algo = MFSDP_ALGO_DIRECT;
-    o.has_step_mode = 1;
-    o.step_mode = MFSDP_STEP_MANUAL;
-    o.accum_steps = 1;
-    o.has_clip = 1;
-    o.no_mlock = 1;
-    return mfsdp_ctx_create_mpi(m, &o, MPI_COMM_WORLD, ctx_p);
-}
-
 /* The first all-gather of every group gives the context its weights: rank r's shard bytes
  * are a pattern of finite values of every dtype (bytes 0x38..0x3f). */
 static mfsdp_status_t ckpt_prime(mfsdp_ctx_h ctx, const mfsdp_manifest_t *m)
@@ -1777,7 +1769,7 @@ static int ckpt_run(const perf_opts_t *o, void *state)
     }
     mfsdp_tail_policy_t tail = strcmp(st->tail, "owner") == 0 ? MFSDP_TAIL_OWNER : MFSDP_TAIL_SHARD;
     mfsdp_ctx_h a = NULL;
-    mfsdp_status_t cs = ckpt_ctx(m, tail, &a);
+    mfsdp_status_t cs = perf_ctx_create(m, tail, MFSDP_ALGO_DIRECT, &a);
     if (cs == MFSDP_OK) {
         cs = ckpt_prime(a, m);
     }
@@ -1812,7 +1804,7 @@ static int ckpt_run(const perf_opts_t *o, void *state)
         mfsdp_ckpt_stats_t sv, lv;
         mfsdp_ctx_get_ckpt_stats(a, &sv);
         mfsdp_ctx_h b = NULL;
-        mfsdp_status_t s3 = s2 == MFSDP_OK ? ckpt_ctx(m, tail, &b) : s2;
+        mfsdp_status_t s3 = s2 == MFSDP_OK ? perf_ctx_create(m, tail, MFSDP_ALGO_DIRECT, &b) : s2;
         MPI_Barrier(MPI_COMM_WORLD);
         mfsdp_status_t s4 = s3 == MFSDP_OK ? mfsdp_ctx_load(b, root) : s3;
         if (s4 != MFSDP_OK) {
