@@ -10,38 +10,56 @@ import inspect
 import os
 import re
 
-# torch release -> the entry points the companion hooks in that release.
+# What the companion relies on in each torch release it knows: the torch.distributed
+# entry points FSDP2's collectives call (the ones the companion tags), source markers of the
+# FSDP2 code paths the hooks rely on, and the leading parameters of the hooked functions as
+# the hooks call them. Read from each release's own torch/distributed/fsdp/_fully_shard.
+_COMMON_MARKERS = {
+    "_fsdp_collectives.py": ["def foreach_all_gather(", "def foreach_reduce(",
+                             "dist.all_reduce("],
+    "_fsdp_param_group.py": ["foreach_all_gather(", "foreach_reduce("],
+    "_fsdp_state.py": ["def _lazy_init(self)", "all_states"],
+}
+_AG_SIGNATURE = ["fsdp_params", "group", "async_op", "all_gather_copy_in_stream",
+                 "all_gather_stream", "device", "all_gather_comm"]
+
+
+def _markers(collectives, param_group=()):
+    m = {k: list(v) for k, v in _COMMON_MARKERS.items()}
+    m["_fsdp_collectives.py"] += list(collectives)
+    m["_fsdp_param_group.py"] += list(param_group)
+    return m
+
+
 KNOWN = {
+    # 2.15: functional-collective style calls; the reduce-scatter packs params grouped by
+    # gradient dtype (_reduce_scatter_param_indices).
     (2, 15): {
         "all_gather": "all_gather_single",
         "reduce_scatter": "reduce_scatter_single",
+        "markers": _markers(["dist.all_gather_single(", "dist.reduce_scatter_single("],
+                            ["_reduce_scatter_param_indices"]),
+        "signatures": {
+            "foreach_all_gather": _AG_SIGNATURE,
+            "foreach_reduce": ["fsdp_params", "unsharded_grads", "reduce_scatter_group",
+                               "reduce_scatter_stream", "reduce_scatter_comm", "reduce_dtype",
+                               "device", "gradient_divide_factor", "all_reduce_group"],
+        },
     },
-}
-
-# Source markers of the torch 2.15 FSDP2 code paths the hooks rely on.
-SOURCE_MARKERS = {
-    "_fsdp_collectives.py": [
-        "def foreach_all_gather(",
-        "def foreach_reduce(",
-        "dist.all_gather_single(",
-        "dist.reduce_scatter_single(",
-        "dist.all_reduce(",
-    ],
-    "_fsdp_param_group.py": [
-        "foreach_all_gather(",
-        "foreach_reduce(",
-        "_reduce_scatter_param_indices",
-    ],
-    "_fsdp_state.py": ["def _lazy_init(self)", "all_states"],
-}
-
-# Parameters of the hooked functions, as the hooks call them.
-SIGNATURES = {
-    "foreach_all_gather": ["fsdp_params", "group", "async_op", "all_gather_copy_in_stream",
-                           "all_gather_stream", "device", "all_gather_comm"],
-    "foreach_reduce": ["fsdp_params", "unsharded_grads", "reduce_scatter_group",
-                       "reduce_scatter_stream", "reduce_scatter_comm", "reduce_dtype",
-                       "device", "gradient_divide_factor", "all_reduce_group"],
+    # 2.11: the older all_gather_into_tensor / reduce_scatter_tensor calls; foreach_reduce
+    # takes orig_dtype before reduce_dtype; the reduce-scatter packs params in group order.
+    (2, 11): {
+        "all_gather": "all_gather_into_tensor",
+        "reduce_scatter": "reduce_scatter_tensor",
+        "markers": _markers(["dist.all_gather_into_tensor(", "dist.reduce_scatter_tensor("]),
+        "signatures": {
+            "foreach_all_gather": _AG_SIGNATURE,
+            "foreach_reduce": ["fsdp_params", "unsharded_grads", "reduce_scatter_group",
+                               "reduce_scatter_stream", "reduce_scatter_comm", "orig_dtype",
+                               "reduce_dtype", "device", "gradient_divide_factor",
+                               "all_reduce_group"],
+        },
+    },
 }
 
 
@@ -88,9 +106,9 @@ def check_installed():
     if m is None:
         raise UnknownTorch(f"{vfile} holds no __version__")
     text = m.group(1)
-    check_version(text)
+    entry = KNOWN[check_version(text)]
     fsdp = os.path.join(root, "distributed", "fsdp", "_fully_shard")
-    for fname, markers in SOURCE_MARKERS.items():
+    for fname, markers in entry["markers"].items():
         path = os.path.join(fsdp, fname)
         try:
             with open(path) as f:
@@ -109,11 +127,11 @@ def check_live(torch_module, collectives, param_group, state):
     """Check the imported FSDP2 modules; returns the KNOWN entry of this release."""
     entry = KNOWN[check_version(torch_module.__version__)]
     dist = collectives.dist
-    for name in entry.values():
+    for name in (entry["all_gather"], entry["reduce_scatter"]):
         if not callable(getattr(dist, name, None)):
             raise UnknownTorch(f"torch {torch_module.__version__}: torch.distributed.{name} "
                                "is missing")
-    for fn, want in SIGNATURES.items():
+    for fn, want in entry["signatures"].items():
         params = list(inspect.signature(getattr(collectives, fn)).parameters)
         if params[:len(want)] != want:
             raise UnknownTorch(f"torch {torch_module.__version__}: {fn}{tuple(params)} is not "

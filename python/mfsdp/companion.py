@@ -372,7 +372,9 @@ class Companion:
                 inp = out.narrow(0, total * rank, total)
                 _tls.pending = ("sync", root, gi, None)
                 try:
-                    self.collectives.dist.all_gather_single(out, inp, group=pg)
+                    # the all-gather entry point of this release (2.15: all_gather_single,
+                    # 2.11: all_gather_into_tensor; same (output, input, group) arguments)
+                    getattr(self.collectives.dist, self.entry["all_gather"])(out, inp, group=pg)
                 finally:
                     _tls.pending = None
                 offsets = [sum(sizes[:i]) for i in range(len(sizes))]

@@ -42,8 +42,14 @@ def root_param_groups(root_state):
     """FSDPParamGroups of an FSDP2 root after its lazy init, in FSDP's state order."""
     groups = []
     for state in root_state._state_ctx.all_states:
-        for i, g in enumerate(state._fsdp_param_groups):
-            groups.append((g, i, len(state._fsdp_param_groups)))
+        # torch 2.15: a list per state (several groups per fully_shard call); 2.11: at most
+        # one, _fsdp_param_group (None when the state holds no param)
+        if hasattr(state, "_fsdp_param_groups"):
+            gs = list(state._fsdp_param_groups)
+        else:
+            gs = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        for i, g in enumerate(gs):
+            groups.append((g, i, len(gs)))
     return groups
 
 
@@ -134,8 +140,9 @@ def build(root_state, root_module=None):
                 f"group {gname!r} shards over {ws} ranks x {rep} replicas, an earlier group "
                 f"over {world} x {replicate}: one manifest needs one mesh")
         # Only params that can have a gradient take part in a reduce-scatter.
-        rs_order = [i for i in g._reduce_scatter_param_indices
-                    if g.fsdp_params[i].sharded_param.requires_grad]
+        # (torch 2.15 packs them grouped by gradient dtype; 2.11 in group order.)
+        order = getattr(g, "_reduce_scatter_param_indices", range(len(g.fsdp_params)))
+        rs_order = [i for i in order if g.fsdp_params[i].sharded_param.requires_grad]
         if rs_order != sorted(rs_order):
             raise ManifestError(
                 f"group {gname!r}: FSDP2 packs the reduce-scatter in another param order than "

@@ -102,10 +102,12 @@ def test_shim():
 def test_guard():
     if _guard.check_version("2.15.0+cu132") != (2, 15):
         raise SystemExit("FAIL: 2.15.0+cu132 not known")
-    raises(_guard.UnknownTorch, ["torch 2.14.1", "known: 2.15"], _guard.check_version, "2.14.1")
+    if _guard.check_version("2.11.0+cu130") != (2, 11):
+        raise SystemExit("FAIL: 2.11.0+cu130 not known")
+    raises(_guard.UnknownTorch, ["torch 2.14.1", "known: 2.11, 2.15"], _guard.check_version, "2.14.1")
     raises(_guard.UnknownTorch, ["torch 2.16.0a0"], _guard.check_version, "2.16.0a0")
     raises(_guard.UnknownTorch, ["cannot read"], _guard.check_version, "nightly")
-    ok("torch versions: 2.15 known, others refused")
+    ok("torch versions: 2.11 and 2.15 known, others refused")
 
     def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
                            all_gather_stream, device, all_gather_comm):

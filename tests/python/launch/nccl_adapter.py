@@ -152,6 +152,14 @@ class Adapter:
         self.calls += 1
         return None
 
+    # torch 2.11's FSDP2 calls the older entry points (with keywords): the same collectives.
+    def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
+        return self.all_gather_single(output_tensor, input_tensor, group=group)
+
+    def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, group=None,
+                              async_op=False):
+        return self.reduce_scatter_single(output, input, group=group, op=op)
+
     def _raw_all_reduce(self, tensor, op, comm):
         self._check(self.g.ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
                                          self._dtype(tensor), self._op(op), comm, None),
@@ -171,7 +179,8 @@ class _Proxy:
         self.__dict__["_adapter"] = adapter
 
     def __getattr__(self, name):
-        if name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
+        if name in ("all_gather_single", "reduce_scatter_single", "all_reduce",
+                    "all_gather_into_tensor", "reduce_scatter_tensor"):
             return getattr(self._adapter, name)
         return getattr(self._inner, name)
 
