@@ -1785,8 +1785,9 @@ static int ckpt_run(const perf_opts_t *o, void *state)
     uint64_t snap = 0, wbytes = 0, lbytes = 0;
     long wrong = 0;
     int rc = 0;
-    if (g_rank == 0 && !o->json) {
-        fprintf(stderr,
+    if (g_rank == 0) {
+        /* header comments: stdout, or stderr under --json (as the other subcommands) */
+        fprintf(o->json ? stderr : stdout,
                 "# mfsdp-perf ckpt: %s, %d ranks, tail %s, %d timed run(s) after %d warm-up; "
                 "each run saves into %s/run-K (fsync'ed files, committed index) and loads it "
                 "into a fresh context; median of the slowest rank, check %d\n",
@@ -1823,9 +1824,8 @@ static int ckpt_run(const perf_opts_t *o, void *state)
                 double l = lv.load_seconds > 0
                                ? (double)(lv.load_bytes + lv.verify_bytes) / lv.load_seconds
                                : 0;
-                double wn = -w, ln = -l;
-                wbw[t] = -run_max(wn);
-                lbw[t] = -run_max(ln);
+                wbw[t] = -run_max(-w); /* the minimum over ranks */
+                lbw[t] = -run_max(-l);
                 snap = sv.snapshot_bytes;
                 wbytes = sv.write_bytes;
                 lbytes = lv.load_bytes + lv.verify_bytes;
