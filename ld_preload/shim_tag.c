@@ -177,6 +177,11 @@ SHIM_EXPORT int mfsdp_shim_untag(void)
     return 0;
 }
 
+SHIM_EXPORT int mfsdp_shim_tag_pending(void)
+{
+    return tls_tag.set ? 1 : 0;
+}
+
 /* The bound context of registration id, locked; NULL (and *rc_p = 0) when not bound yet. */
 static shim_comm_t *bound(int id, int *rc_p)
 {

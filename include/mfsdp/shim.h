@@ -74,6 +74,15 @@ int mfsdp_shim_tag(int handle, int kind, size_t group, const unsigned char *has_
 int mfsdp_shim_untag(void);
 
 /**
+ * @brief 1 when this thread's tag is still pending, else 0. Called right after the tagged
+ *        collective returned, 1 means that the collective never reached the shim (the
+ *        framework served it without calling ncclAllGather / ncclReduceScatter /
+ *        ncclAllReduce, e.g. a process group that copies locally on one rank, or another
+ *        transport): the caller must stop, since the owners did not take part.
+ */
+int mfsdp_shim_tag_pending(void);
+
+/**
  * @brief Run the owners' optimizer step now (the job's optimizer.step()): every group with at
  *        least one reduce since the last step. Muon's and AdamW's lr are multiplied by
  *        @p lr_factor (the job optimizer's current lr / its initial lr, so the job's schedule is

@@ -61,6 +61,7 @@ class Shim:
         self._tag = fn("mfsdp_shim_tag", c_int,
                        [c_int, c_int, c_size, ctypes.c_char_p, c_size])
         self._untag = fn("mfsdp_shim_untag", c_int, [])
+        self._pending = fn("mfsdp_shim_tag_pending", c_int, [])
         self._step = fn("mfsdp_shim_step", c_int, [c_int, c_double])
         self._sqnorm = fn("mfsdp_shim_grad_sqnorm", c_int, [c_int, ctypes.POINTER(c_double)])
         self._scale = fn("mfsdp_shim_scale_grads", c_int, [c_int, c_double])
@@ -85,6 +86,10 @@ class Shim:
 
     def untag(self):
         self._check(self._untag(), "mfsdp_shim_untag")
+
+    def tag_pending(self):
+        """True when this thread's tag was not consumed by a collective."""
+        return self._check(self._pending(), "mfsdp_shim_tag_pending") == 1
 
     def step(self, handle, lr_factor):
         self._check(self._step(handle, float(lr_factor)), "mfsdp_shim_step")

@@ -14,6 +14,7 @@ install() runs when torch.distributed.fsdp has been imported (the mfsdp-run path
 - makes ``clip_grad_norm_`` include and scale the owners' gradients;
 - writes the owners' weights back into the job's shards before ``state_dict()``.
 """
+import inspect
 import math
 import os
 import sys
@@ -112,10 +113,11 @@ class Companion:
                 _log(f"wrote the manifest of FSDP2 root {type(module).__name__} to {path}")
             self.roots.append(None)
             return
-        if manifest["world_size"] * manifest["replicate"] == 1:
+        if manifest["world_size"] == 1 and manifest["replicate"] > 1:
             raise CompanionError(
-                "world size 1: FSDP2 issues no collectives on one rank, so there is nothing for "
-                "mfsdp to shard; run this job without mfsdp-run")
+                f"HSDP with a shard group of one rank ({manifest['replicate']} replicas of 1): "
+                "every rank would own every matrix, which is plain replication; mfsdp does not "
+                "support it (use a shard group of 2 or more ranks, or run without mfsdp-run)")
         if self.write_path and rank == 0:
             with open(self.write_path, "w") as f:
                 f.write(dumps(manifest) + "\n")
@@ -126,6 +128,8 @@ class Companion:
             for gi, (g, _) in enumerate(layout):
                 self.group_root[id(g)] = (root, gi)
         self._hook_state_dict(root)
+        if manifest["world_size"] == 1:
+            self._one_rank_fill(root)
         if rank == 0:
             _log(f"registered {len(layout)} FSDP2 groups of {type(module).__name__} "
                  f"({len(root.owned)} owner-managed matrices, world {manifest['world_size']} "
@@ -160,6 +164,8 @@ class Companion:
             finally:
                 _tls.pending = None
 
+        sig = inspect.signature(orig_rs)
+
         def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs):
             root = comp._lookup_params(fsdp_params, "reduce-scatter")
             gi, _ = root.param_of[id(fsdp_params[0])]
@@ -176,8 +182,16 @@ class Companion:
                 last = pi
                 flags[pi] = 1
             comp._check_divide(root, gi, g)
+            one = None
+            if reduce_scatter_group is None or reduce_scatter_group.size() == 1:
+                bound = sig.bind(fsdp_params, unsharded_grads, reduce_scatter_group, *args,
+                                 **kwargs)
+                one = comp._one_rank_input(root, gi, fsdp_params, unsharded_grads,
+                                           bound.arguments)
             _tls.pending = ("rs", root, gi, flags)
             try:
+                if one is not None:
+                    comp._one_rank_reduce(one, reduce_scatter_group)
                 out = orig_rs(fsdp_params, unsharded_grads, reduce_scatter_group, *args,
                               **kwargs)
             finally:
@@ -193,6 +207,70 @@ class Companion:
         c.foreach_all_gather = pgmod.foreach_all_gather = foreach_all_gather
         c.foreach_reduce = pgmod.foreach_reduce = foreach_reduce
         c.dist = _DistProxy(c.dist, self)
+
+    # ---- one rank -------------------------------------------------------------------
+    # FSDP2 (torch >= 2.9) issues no collective on a one-rank shard group: foreach_reduce
+    # copies its input to its output, unshard copies the local shard. The companion issues
+    # the reduce-scatter FSDP2 elides itself (tagged, on the same process group), so that the
+    # owner (rank 0, which owns everything) receives the gradient exactly as at n ranks, and
+    # writes the owners' weights back into the shards after every owner step, since the next
+    # unshard reads them there.
+
+    def _one_rank_fill(self, root):
+        """The owners' first weights: at n ranks they come with the first all-gather of each
+        group, which FSDP2 does not issue on one rank; issue it (tagged) once per group."""
+        torch = self.torch
+        fn = getattr(self.collectives.dist, self.entry["all_gather"])
+        with torch.no_grad():
+            for gi, (g, _) in enumerate(root.layout):
+                ins = []
+                for fp in g.fsdp_params:
+                    inputs = fp.all_gather_inputs  # FSDP2's own input (param dtype)
+                    if len(inputs) != 1:
+                        raise CompanionError(
+                            f"param {fp._param_fqn!r}: {len(inputs)} all-gather inputs (a "
+                            "tensor subclass with its own all-gather); mfsdp takes one")
+                    ins.append(inputs[0].detach().reshape(-1))
+                if len({t.dtype for t in ins}) > 1:  # FSDP2 gathers mixed dtypes as bytes
+                    ins = [t.view(torch.uint8) for t in ins]
+                flat = torch.cat(ins)
+                out = torch.empty_like(flat)
+                _tls.pending = ("ag", root, gi, None)
+                try:
+                    fn(out, flat, group=g.mesh_info.shard_process_group)
+                finally:
+                    _tls.pending = None
+
+    def _one_rank_input(self, root, gi, fsdp_params, unsharded_grads, arguments):
+        """The reduce-scatter input FSDP2 would build at world size 1 (the gradients of
+        fsdp_params flattened and concatenated in the reduce dtype), or CompanionError where
+        the one-rank copy FSDP2 makes instead would not be that input unchanged."""
+        torch = self.torch
+        name = root.manifest["groups"][gi]["name"]
+        factor = arguments.get("gradient_divide_factor")
+        if factor is not None and float(factor) != 1.0:
+            raise CompanionError(
+                f"group {name!r}: set_gradient_divide_factor({factor}) at world size 1 is not "
+                "supported by mfsdp (FSDP2 divides its one-rank copy differently from its "
+                "n-rank reduce-scatter)")
+        if len(unsharded_grads) != len(fsdp_params):
+            raise CompanionError(f"group {name!r}: {len(unsharded_grads)} gradients for "
+                                 f"{len(fsdp_params)} params in one reduce")
+        rdt = arguments.get("reduce_dtype")
+        dtypes = {gr.dtype for gr in unsharded_grads}
+        if rdt is None:
+            if len(dtypes) != 1:
+                raise CompanionError(
+                    f"group {name!r}: gradients of several dtypes {sorted(map(str, dtypes))} "
+                    "and no reduce_dtype at world size 1 (set MixedPrecisionPolicy.reduce_dtype)")
+            rdt = next(iter(dtypes))
+        return torch.cat([gr.detach().reshape(-1).to(rdt) for gr in unsharded_grads])
+
+    def _one_rank_reduce(self, flat, group):
+        """The tagged one-rank reduce-scatter (the caller has set the pending tag)."""
+        out = self.torch.empty_like(flat)
+        fn = getattr(self.collectives.dist, self.entry["reduce_scatter"])
+        fn(out, flat, group=group, op=self.dist.ReduceOp.SUM)
 
     def _check_divide(self, root, gi, g):
         from .manifest import divide_rule
@@ -275,6 +353,10 @@ class Companion:
                 continue
             self.shim.step(root.handle, factor)
             root.dirty = True
+            if root.manifest["world_size"] == 1:
+                # FSDP2's next one-rank unshard copies the local shards: they must hold the
+                # owners' new weights before the next forward.
+                self.sync(root)
 
     def _lr_factor(self, optimizer, i, group):
         lr = group["lr"]
@@ -385,6 +467,10 @@ class Companion:
         root.dirty = False
 
 
+_NCCL_NAME = {"all_gather": "ncclAllGather", "reduce_scatter": "ncclReduceScatter",
+              "all_reduce": "ncclAllReduce"}
+
+
 class _DistProxy:
     """Stands for torch.distributed inside _fsdp_collectives: tags FSDP2's collectives."""
 
@@ -401,7 +487,7 @@ class _DistProxy:
     def _call(self, kind, fn, *args, **kwargs):
         tagged = self._comp.tag_for(kind)
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         except BaseException:
             if tagged:
                 try:
@@ -409,6 +495,17 @@ class _DistProxy:
                 except Exception:  # the original error is the one to report
                     pass
             raise
+        if tagged and self._comp.shim.tag_pending():
+            # The collective returned without reaching the shim's NCCL interposer: the
+            # owners took no part, so this step's gradients or weights would be wrong.
+            self._comp.shim.untag()
+            what, entry = kind.replace("_", "-"), getattr(fn, "__name__", kind)
+            raise CompanionError(
+                f"FSDP2's {what} returned without reaching the mfsdp shim "
+                f"(torch.distributed.{entry} did not call NCCL's "
+                f"{_NCCL_NAME[kind]}: a process group that is not NCCL, or one that serves "
+                "the call without NCCL); mfsdp cannot train this job")
+        return out
 
     def all_gather_single(self, *args, **kwargs):
         return self._call("all_gather", self._inner.all_gather_single, *args, **kwargs)

@@ -3,7 +3,7 @@
 """TEST-ONLY: every refusal of the companion inside a real FSDP2 job (`check.py errors`).
 
 Run under mpirun at 4 ranks (gloo, no adapter; resharding to a smaller group after forward
-needs a factor of the world size between 1 and it) or at 1 rank (the world-size-1 case).
+needs a factor of the world size between 1 and it) or at 1 rank (the world-size-1 cases).
 The companion is installed with a stand-in shim that accepts everything, so each case
 reaches the companion's own check; each builds a fresh FSDP2 model and must raise the
 expected error with the expected words. Prints "errors: N cases ok" at the end.
@@ -36,6 +36,9 @@ class AcceptingShim:
     def untag(self):
         pass
 
+    def tag_pending(self):
+        return False
+
     def step(self, *a):
         pass
 
@@ -44,6 +47,13 @@ class AcceptingShim:
 
     def scale_grads(self, *a):
         pass
+
+
+class PendingShim(AcceptingShim):
+    """A shim whose tags are never consumed: the collective did not reach it."""
+
+    def tag_pending(self):
+        return True
 
 
 def model():
@@ -82,15 +92,42 @@ def main():
     if world not in (1, 4):
         raise SystemExit(f"FAIL: errors_job.py runs at 1 or 4 ranks, not {world}")
     if world == 1:
-        def one_rank():
+        # One rank trains (the companion issues the reduce FSDP2 elides); a divide factor
+        # there would be applied differently by FSDP2's one-rank copy: refused.
+        def one_rank_factor():
             m = model()
             fully_shard(m, mesh=mesh)
+            m.set_gradient_divide_factor(2.0)
             fwd_bwd(m)
-        expect("world size 1", companion.CompanionError, ["world size 1", "without mfsdp-run"],
-               one_rank)
+        expect("divide factor at world size 1", companion.CompanionError,
+               ["set_gradient_divide_factor", "world size 1"], one_rank_factor)
         print("errors: 1 cases ok", flush=True)
         dist.destroy_process_group()
         return
+
+    def not_reached():
+        # gloo serves FSDP2's all-gather here (no NCCL, no shim): a shim whose tag is still
+        # pending after the call says the owners took no part.
+        saved = comp.shim
+        comp.shim = PendingShim()
+        try:
+            m = model()
+            fully_shard(m, mesh=mesh)
+            fwd_bwd(m)
+        finally:
+            comp.shim = saved
+    expect("collective that never reached the shim", companion.CompanionError,
+           ["returned without reaching the mfsdp shim", "ncclAllGather"], not_reached)
+    cases += 1
+
+    def hsdp_shard1():
+        m = model()
+        hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+        fully_shard(m, mesh=hsdp)
+        fwd_bwd(m)
+    expect("HSDP with one-rank shard groups", companion.CompanionError,
+           ["shard group of one rank", "replication"], hsdp_shard1)
+    cases += 1
 
     def shard1():
         m = model()

@@ -49,7 +49,7 @@ class Fn:
 
 def lib(abi=1, drop=(), rc=0, err=b"", log=None):
     names = ["mfsdp_shim_register", "mfsdp_shim_tag", "mfsdp_shim_untag", "mfsdp_shim_step",
-             "mfsdp_shim_grad_sqnorm", "mfsdp_shim_scale_grads"]
+             "mfsdp_shim_grad_sqnorm", "mfsdp_shim_scale_grads", "mfsdp_shim_tag_pending"]
     ns = types.SimpleNamespace(mfsdp_shim_abi_version=Fn(abi),
                                mfsdp_shim_last_error=Fn(err))
     for n in names:
