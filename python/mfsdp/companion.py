@@ -6,7 +6,9 @@ install() runs when torch.distributed.fsdp has been imported (the mfsdp-run path
 - tags, on the calling thread right before the call, every FSDP2 all-gather (group g),
   reduce-scatter (group g over exactly the params that have a gradient now) and HSDP
   replicate all-reduce, by replacing the ``dist`` that ``_fsdp_collectives`` calls with a
-  proxy that tags and forwards;
+  proxy that tags and forwards, and stops the job when a tagged call did not reach the shim;
+- on one rank, where FSDP2 issues no collective, issues the tagged collectives itself (the
+  owners' first fill, each reduce) and writes the weights back after every owner step;
 - sets ``.grad = None`` on owner-managed params after their reduce, so the job's optimizer
   skips them and allocates no state for them;
 - runs the owners' step from the job's ``optimizer.step()`` (a global step pre-hook) with
