@@ -23,7 +23,7 @@ import sys
 import threading
 
 from . import _guard, _shim
-from .manifest import ManifestError, build, dumps
+from .manifest import ManifestError, build, dumps, grad_dtype
 
 _tls = threading.local()
 _lock = threading.Lock()
@@ -280,7 +280,7 @@ class Companion:
         rdt = None
         for fp in g.fsdp_params:
             if fp.sharded_param.requires_grad:
-                rdt = fp.unsharded_grad_dtype
+                rdt = grad_dtype(fp)
                 break
         if rdt is None:
             return

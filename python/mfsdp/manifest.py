@@ -77,6 +77,16 @@ def param_role(torch, fsdp_param, vocab, extra_re=None):
     return "muon"
 
 
+def grad_dtype(fp):
+    """The dtype FSDP2 reduces fp's gradient in. torch 2.15 says it (unsharded_grad_dtype:
+    reduce_dtype, else the param's original dtype); 2.11 reduces in reduce_dtype, else in
+    the dtype autograd computed the gradient in, the unsharded param's (param_dtype, else the
+    original)."""
+    if hasattr(type(fp), "unsharded_grad_dtype"):
+        return fp.unsharded_grad_dtype
+    return fp.reduce_dtype or fp.param_dtype or fp.orig_dtype
+
+
 def divide_rule(collectives, group, reduce_dtype, device_type):
     """training.grad_divide for one FSDPParamGroup: "fsdp2" when the op on the wire says it
     all (avg, PreMulSum, or a sum on one rank), else the job's post-divide factor."""
@@ -171,7 +181,7 @@ def build(root_state, root_module=None):
             params.append(p)
             roles.append(role)
             if req:
-                trainable_dtypes.add(fp.unsharded_grad_dtype)
+                trainable_dtypes.add(grad_dtype(fp))
         grp = {"name": gname, "params": params}
         if trainable_dtypes:
             if len(trainable_dtypes) != 1:
