@@ -40,8 +40,12 @@ def _dtype_name(torch, dtype, what):
 
 def root_param_groups(root_state):
     """FSDPParamGroups of an FSDP2 root after its lazy init, in FSDP's state order."""
-    groups = []
+    groups, seen = [], set()
     for state in root_state._state_ctx.all_states:
+        # torch 2.11 lists a state once per module of a multi-module fully_shard([a, b])
+        if id(state) in seen:
+            continue
+        seen.add(id(state))
         # torch 2.15: a list per state (several groups per fully_shard call); 2.11: at most
         # one, _fsdp_param_group (None when the state holds no param)
         if hasattr(state, "_fsdp_param_groups"):
