@@ -46,8 +46,8 @@
 #   MFSDP_DEVICE_BUDGET (seconds after which no further stage starts; default 420),
 #   MFSDP_DEVICE_LIMIT (no stage runs past this many seconds; default 470),
 #   MFSDP_DEVICE_TRAIN_RANKS (default "1 4"), MFSDP_DEVICE_TRAIN_MODEL (medium; small with
-#   --fake), MFSDP_DEVICE_TRAIN_STEPS (12), MFSDP_DEVICE_BAND (the shim's tolerance on a GPU,
-#   default 2e-2: the executor test's bf16 Newton-Schulz band).
+#   --fake), MFSDP_DEVICE_TRAIN_STEPS (12), MFSDP_DEVICE_BAND (the shim's tolerance; default
+#   2e-2 on a GPU, the executor test's bf16 Newton-Schulz band, and 1e-5 with --fake).
 # Exit: 0 everything passed, 77 no GPU (the builds still ran), 1 a build or check failed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -488,8 +488,8 @@ fi
 if [ $train = 1 ]; then
   model=${MFSDP_DEVICE_TRAIN_MODEL:-$([ $fake = 1 ] && echo small || echo medium)}
   steps=${MFSDP_DEVICE_TRAIN_STEPS:-12}
-  band=${MFSDP_DEVICE_BAND:-2e-2}
-  [ $fake = 1 ] && band=1e-5 # the CPU executor: fp32, as tests/preload/shim_check.py
+  # With --fake the shim runs the CPU executor (fp32): 1e-5, as tests/preload/shim_check.py.
+  band=${MFSDP_DEVICE_BAND:-$([ $fake = 1 ] && echo 1e-5 || echo 2e-2)}
   td=$b/train
   rm -rf "$td" && mkdir -p "$td"
   ncpu=$(nproc 2>/dev/null || echo 4)

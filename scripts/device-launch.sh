@@ -32,7 +32,11 @@ if [ "${1:-}" = --rank-main ]; then
   export RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r LOCAL_WORLD_SIZE=$n
   export NCCL_HOSTID=mfsdp-device-rank$r
   export FSDP_TRAIN_ID_FILE=$dir/nccl-id
-  "$@" >"$dir/rank$r.log" 2>&1
+  # The job as a child that this shell reaps even when the launcher stops the rank.
+  "$@" >"$dir/rank$r.log" 2>&1 &
+  child=$!
+  trap 'kill -TERM "$child" 2>/dev/null; wait "$child"; exit 143' TERM INT
+  wait "$child"
   s=$?
   echo "$s" >"$dir/rank$r.status.tmp" && mv "$dir/rank$r.status.tmp" "$dir/rank$r.status"
   exit "$s"
@@ -118,7 +122,7 @@ while :; do
     failed=${failed:-"the ranks ended without a status"}
     break
   fi
-  if [ $((SECONDS - start)) -ge "$timeout_s" ]; then
+  if [ $((SECONDS - start)) -gt "$timeout_s" ]; then
     result="TIMED OUT after ${timeout_s} s"
     stop_all
     break
