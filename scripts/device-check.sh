@@ -88,6 +88,7 @@ over_budget() { [ "$SECONDS" -ge "$budget" ]; }
 # The timeout for a stage of nominal length $1: what is left before the limit, at most $1.
 stage_timeout() {
   local left=$((limit - SECONDS))
+  [ "$left" -lt 1 ] && left=1
   [ "$left" -lt "$1" ] && echo "$left" || echo "$1"
 }
 summary=()
@@ -145,7 +146,7 @@ fi
 # The carried dependencies (scripts/device-pack.sh): unpacked under the build directory, their
 # pkg-config files rewritten to that place, every search path pointed at them.
 deps_pack=${MFSDP_DEVICE_DEPS:-.device-deps/deps.tar.xz}
-deps=""
+deps="" run_ld=""
 if [ "$deps_pack" != none ] && [ -f "$deps_pack" ]; then
   deps=$b/deps
   stamp=$(stat -c '%s %Y' "$deps_pack")
@@ -162,8 +163,14 @@ if [ "$deps_pack" != none ] && [ -f "$deps_pack" ]; then
   dl=$deps/usr/lib/x86_64-linux-gnu
   export CPATH=$deps/usr/include:$deps/usr/include/x86_64-linux-gnu/openblas-pthread${CPATH:+:$CPATH}
   export LIBRARY_PATH=$dl:$dl/openblas-pthread${LIBRARY_PATH:+:$LIBRARY_PATH}
-  export LD_LIBRARY_PATH=$dl:$dl/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  export PKG_CONFIG=$deps/usr/bin/pkgconf
+  # The pack's libraries are on the loader's path for the runs only (below), not for the
+  # image's own tools (python3, nvcc); pkgconf gets them through a wrapper.
+  run_ld=$dl:$dl/openblas-pthread
+  # shellcheck disable=SC2016
+  printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
+    "$dl" "$deps/usr/bin/pkgconf" >"$b/pkgconf"
+  chmod +x "$b/pkgconf"
+  export PKG_CONFIG=$b/pkgconf
   if [ $fake = 1 ]; then
     # The test build needs this machine's Criterion and Open MPI too: searched after the pack.
     export PKG_CONFIG_PATH=$dl/pkgconfig:$dl/openblas-pthread/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
@@ -315,7 +322,9 @@ find_meson() {
   [ ${#meson_cmd[@]} -gt 0 ] && command -v ninja >/dev/null 2>&1
 }
 cuda_tree() {
-  local t=$b/cuda-root e
+  # Outside the source tree: meson refuses include directories inside it.
+  local t e
+  t=${TMPDIR:-/tmp}/mfsdp-cuda-root.$(echo "$b" | md5sum | cut -c1-8)
   rm -rf "$t" && mkdir -p "$t/include" "$t/lib64" || return 1
   for e in "$cuda"/*; do
     case ${e##*/} in include | lib64) ;; *) ln -s "$e" "$t/" ;; esac
@@ -323,13 +332,9 @@ cuda_tree() {
   for e in "$cuda"/include/*; do ln -s "$e" "$t/include/"; done
   for e in "$cudalib"/*; do ln -s "$e" "$t/lib64/"; done
   for e in "$nccl_inc"/nccl*; do [ -e "$t/include/${e##*/}" ] || ln -s "$e" "$t/include/"; done
-  if [ ! -e "$t/lib64/libnccl.so" ]; then
-    if [ -e "$nccl_lib/libnccl.so" ]; then
-      ln -s "$nccl_lib/libnccl.so" "$t/lib64/libnccl.so"
-    else
-      ln -s "$nccl_lib/libnccl.so.2" "$t/lib64/libnccl.so"
-    fi
-  fi
+  for e in "$nccl_lib"/libnccl*; do [ -e "$t/lib64/${e##*/}" ] || ln -s "$e" "$t/lib64/"; done
+  # The NCCL wheel has no development link: the linker needs libnccl.so.
+  [ -e "$t/lib64/libnccl.so" ] || ln -s "$nccl_lib/libnccl.so.2" "$t/lib64/libnccl.so"
   echo "$t"
 }
 if [ $train = 1 ]; then
@@ -362,7 +367,8 @@ if [ $train = 1 ]; then
     export meson_b
     if { [ -f "$meson_b/build.ninja" ] || timeout "$to" "${meson_cmd[@]}" setup "$meson_b" "${opts[@]}"; } \
          >"$b/meson.log" 2>&1 &&
-       timeout "$((to - (SECONDS - t0)))" ninja -C "$meson_b" "${targets[@]}" >>"$b/meson.log" 2>&1; then
+       timeout "$(( to - (SECONDS - t0) > 1 ? to - (SECONDS - t0) : 1 ))" \
+         ninja -C "$meson_b" "${targets[@]}" >>"$b/meson.log" 2>&1; then
       note "meson: ok in $((SECONDS - t0)) s, warnings: $(grep -c -i 'warning:' "$b/meson.log")"
     else
       tail -40 "$b/meson.log"
@@ -375,6 +381,8 @@ if [ $train = 1 ]; then
     job=$meson_b/examples/fsdp_train_nccl_nompi
     # Neither the shim nor the job may need MPI (with --fake the job's NCCL is the test
     # library, which does: only the job's own NEEDED entries are checked then).
+    # ldd with the loader path of the runs.
+    ldd_run() { LD_LIBRARY_PATH=$run_ld${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ldd "$@"; }
     bad=""
     for f in "$preload" "$job"; do
       if [ ! -f "$f" ]; then
@@ -385,12 +393,12 @@ if [ $train = 1 ]; then
       echo "${f##*/}: NEEDED $needed" >>"$b/meson.log"
       case $needed in *libmpi*) bad+=" ${f##*/} needs libmpi;" ;; esac
       if [ $fake = 0 ] || [ "$f" = "$preload" ]; then
-        ldd "$f" >>"$b/meson.log" 2>&1
-        if ldd "$f" 2>/dev/null | grep -q libmpi; then
+        ldd_run "$f" >>"$b/meson.log" 2>&1
+        if ldd_run "$f" 2>/dev/null | grep -q libmpi; then
           bad+=" ${f##*/} loads libmpi (ldd);"
         fi
-        if ldd "$f" 2>/dev/null | grep -q 'not found'; then
-          bad+=" ${f##*/}: $(ldd "$f" | grep 'not found' | head -2 | tr -s ' \t\n' ' ');"
+        if ldd_run "$f" 2>/dev/null | grep -q 'not found'; then
+          bad+=" ${f##*/}: $(ldd_run "$f" | grep 'not found' | head -2 | tr -s ' \t\n' ' ');"
         fi
       fi
     done
@@ -400,7 +408,7 @@ if [ $train = 1 ]; then
     else
       note "no-MPI check: ok (no libmpi in readelf -d$([ $fake = 0 ] && echo ' or ldd') of the shim and the job; the job needs: $(readelf -d "$job" | grep NEEDED | sed 's/.*\[\(.*\)\]/\1/' | xargs))"
       if [ -n "$deps" ] && [ $fake = 0 ]; then
-        note "  shim's jansson/libcrypto/openblas from: $(ldd "$preload" | grep -E 'jansson|crypto|openblas' | awk '{print $3}' | xargs -n1 dirname | sort -u | tr '\n' ' ')"
+        note "  shim's jansson/libcrypto/openblas from: $(ldd_run "$preload" | grep -E 'jansson|crypto|openblas' | awk '{print $3}' | xargs -n1 dirname | sort -u | tr '\n' ' ')"
       fi
     fi
   fi
@@ -411,6 +419,7 @@ if [ $build_only = 1 ]; then
   note "runs: skipped (--build-only)"
   finish 0
 fi
+[ -n "$run_ld" ] && export LD_LIBRARY_PATH=$run_ld${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if [ $fake = 0 ] && [ $have_gpu = 0 ]; then
   if [ $plain = 1 ]; then
     echo "-- nvidia-smi saw no GPU; the kernel test decides (exit 77: none)"
