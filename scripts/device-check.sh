@@ -151,7 +151,16 @@ if [ "$deps_pack" != none ] && [ -f "$deps_pack" ]; then
   deps=$b/deps
   stamp=$(stat -c '%s %Y' "$deps_pack")
   if [ "$(cat "$deps/.stamp" 2>/dev/null)" != "$stamp" ]; then
-    if ! { rm -rf "$deps" && mkdir -p "$deps" && tar -C "$deps" -xJf "$deps_pack"; }; then
+    # tar needs the xz program for the pack; an image without it has python3's lzma.
+    untar() {
+      if command -v xz >/dev/null 2>&1; then
+        tar -C "$deps" -xJf "$deps_pack"
+      else
+        python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+          "$deps_pack" "$deps"
+      fi
+    }
+    if ! { rm -rf "$deps" && mkdir -p "$deps" && untar; }; then
       note "deps: FAILED to unpack $deps_pack"
       printf '%s\n' "${summary[@]}"
       exit 1
