@@ -15,14 +15,15 @@
 #   kernels   tests/gpu/test_cuda_kernels: every CUDA kernel against the CPU kernels and
 #             float64 references, then cuBLAS Newton-Schulz TFLOP/s against raw bf16 GEMMs;
 #   executor  tests/gpu/test_exec_cuda: the runtime's CUDA executor against its CPU executor;
-#   nccl      tests/gpu/nccl_ranks -n 2, 3, 4: forked ranks on the one GPU (distinct
-#             NCCL_HOSTID, sockets on loopback): all-gather, reduce-scatter, broadcast, reduce;
 #   train     fsdp_train_nccl_nompi at 1 and 4 ranks on the one GPU, started by
 #             scripts/device-launch.sh (RANK/WORLD_SIZE, one NCCL_HOSTID per rank, the unique
 #             id through a file, every rank's exit status): its own muon-gather (fp32 Newton-
 #             Schulz on the CPU) against the single-process --reference within 1e-5, and its
 #             AdamW run under LD_PRELOAD=libmfsdp_preload.so (mfsdp's Muon on the GPU, bf16
-#             Newton-Schulz) against the same reference within the bf16 band; step times.
+#             Newton-Schulz) against the same reference within the bf16 band; step times
+#             (after a launch that timed out, the rest of the stage is skipped);
+#   nccl      tests/gpu/nccl_ranks -n 2, 3, 4: forked ranks on the one GPU (distinct
+#             NCCL_HOSTID, sockets on loopback): all-gather, reduce-scatter, broadcast, reduce.
 # It ends with a summary block and a table (also $BUILD/device-check-summary.txt, copied
 # with the logs into $OUT when that is set).
 #
@@ -45,7 +46,7 @@
 #   240 / 240 / 150 / 60 / 90; _TRAIN is per launch),
 #   MFSDP_DEVICE_BUDGET (seconds after which no further stage starts; default 420),
 #   MFSDP_DEVICE_LIMIT (no stage runs past this many seconds; default 470),
-#   MFSDP_DEVICE_TRAIN_RANKS (default "1 4"), MFSDP_DEVICE_TRAIN_MODEL (medium; small with
+#   MFSDP_DEVICE_TRAIN_RANKS (default "1 4"), MFSDP_DEVICE_NCCL_RANKS (default "2 3 4"), MFSDP_DEVICE_TRAIN_MODEL (medium; small with
 #   --fake), MFSDP_DEVICE_TRAIN_STEPS (12), MFSDP_DEVICE_BAND (the shim's tolerance; default
 #   2e-2 on a GPU, the executor test's bf16 Newton-Schulz band, and 1e-5 with --fake).
 # Exit: 0 everything passed, 77 no GPU (the builds still ran), 1 a build or check failed.
@@ -471,26 +472,6 @@ else
   [ "$rc" = 0 ] || status=1
 fi
 
-# ---------------------------------------------------------------- NCCL ranks
-if [ $nccl = 1 ]; then
-  for n in 2 3 4; do
-    if over_budget; then
-      note "nccl n=$n: skipped, past the ${budget}s budget"
-      continue
-    fi
-    echo "== nccl_ranks -n $n (timeout ${t_nccl}s)"
-    to=$(stage_timeout "$t_nccl")
-    timeout "$to" "$b/nccl_ranks" -n "$n" -t $(( to > 30 ? to - 20 : 10 )) 2>&1 | tee "$b/nccl_ranks_$n.log"
-    rc=${PIPESTATUS[0]}
-    line=$(grep -E "^nccl_ranks n=$n: " "$b/nccl_ranks_$n.log" | tail -1)
-    note "nccl n=$n: ${line:-no summary line} (exit $rc$([ "$rc" = 124 ] && echo ', timed out'))"
-    while read -r l; do note "  $l"; done \
-      < <(grep -E '^nccl_ranks: [0-9]+ CUDA' "$b/nccl_ranks_$n.log" | head -1)
-    [ "$rc" = 0 ] || status=1
-  done
-else
-  note "nccl: skipped"
-fi
 fi
 
 # ---------------------------------------------------------------- train: fsdp_train on NCCL
@@ -537,6 +518,7 @@ if [ $train = 1 ]; then
       "${launch[@]}" -n "$n" -t "$to" -d "$td/$tag" -- "$@" >"$td/$tag.launch" 2>&1
     rc=$?
     cat "$td/$tag.launch"
+    [ "$rc" = 124 ] && hung=1
     if [ "$rc" != 0 ]; then
       note "  $tag: $(tail -1 "$td/$tag.launch")"
       for f in "$td/$tag"/rank*.log; do
@@ -576,9 +558,14 @@ EOF
       printf "%s %s %s", v["step"], v["optim"], v["comm"] }'
   }
 
+  hung=0 # a launch that timed out: the rest of the stage would likely hang too
   for n in ${MFSDP_DEVICE_TRAIN_RANKS:-1 4}; do
     if over_budget; then
       note "train n=$n: skipped, past the ${budget}s budget"
+      continue
+    fi
+    if [ $hung = 1 ]; then
+      note "train n=$n: skipped, an earlier launch timed out"
       continue
     fi
     echo "== train n=$n"
@@ -586,7 +573,7 @@ EOF
     run_launch "manifest$n" "$n" "$job" --model "$model" --seed 7 --steps 0 --optim none \
       --write-manifest "$man"
     if [ "$rc" != 0 ]; then
-      note "train n=$n: FAILED, the job could not write its manifest"
+      note "train n=$n: FAILED, the job could not write its manifest (launch exit $rc)"
       status=1
       continue
     fi
@@ -600,7 +587,9 @@ EOF
       status=1
       continue
     fi
+    steps_ms=()
     for run in muon-gather shim; do
+      [ $hung = 1 ] && break
       w=$td/$run$n.bin
       if [ $run = shim ]; then
         tol=$band
@@ -621,6 +610,7 @@ EOF
       read -r t_step t_optim t_comm <<<"$(timing "$td/$run$n/rank0.log")"
       verdict=$([ $crc = 0 ] && echo "$cmp_out ($tol)" || echo "FAILED: $cmp_out > $tol")
       table+=("| $label | $n | $verdict | ${t_step:-?} | ${t_optim:-?} | ${t_comm:-?} |")
+      steps_ms+=("${t_step:-}")
       note "train n=$n $run: weights vs reference $verdict; step ${t_step:-?} ms"
       [ $crc = 0 ] || status=1
       if [ $run = shim ]; then
@@ -629,6 +619,33 @@ EOF
         [ -n "$s" ] || status=1
       fi
     done
+    if [ ${#steps_ms[@]} = 2 ] && [ -n "${steps_ms[0]}" ] && [ -n "${steps_ms[1]}" ]; then
+      note "train n=$n: step time, mfsdp shim vs muon-gather: ${steps_ms[1]} ms vs ${steps_ms[0]} ms ($(awk -v a="${steps_ms[1]}" -v b="${steps_ms[0]}" 'BEGIN { if (b > 0) printf "%.2fx", a / b; else print "n/a" }'))"
+    fi
   done
 fi
+# ---------------------------------------------------------------- NCCL ranks (after train:
+# the train stage is the one most worth its device time)
+if [ $plain = 1 ]; then
+if [ $nccl = 1 ]; then
+  for n in ${MFSDP_DEVICE_NCCL_RANKS:-2 3 4}; do
+    if over_budget; then
+      note "nccl n=$n: skipped, past the ${budget}s budget"
+      continue
+    fi
+    echo "== nccl_ranks -n $n (timeout ${t_nccl}s)"
+    to=$(stage_timeout "$t_nccl")
+    timeout "$to" "$b/nccl_ranks" -n "$n" -t $(( to > 30 ? to - 20 : 10 )) 2>&1 | tee "$b/nccl_ranks_$n.log"
+    rc=${PIPESTATUS[0]}
+    line=$(grep -E "^nccl_ranks n=$n: " "$b/nccl_ranks_$n.log" | tail -1)
+    note "nccl n=$n: ${line:-no summary line} (exit $rc$([ "$rc" = 124 ] && echo ', timed out'))"
+    while read -r l; do note "  $l"; done \
+      < <(grep -E '^nccl_ranks: [0-9]+ CUDA' "$b/nccl_ranks_$n.log" | head -1)
+    [ "$rc" = 0 ] || status=1
+  done
+else
+  note "nccl: skipped"
+fi
+fi
+
 finish $status
