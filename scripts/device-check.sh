@@ -235,7 +235,9 @@ finish() {
   } | tee "$b/device-check-summary.txt"
   if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
     cp "$b"/*.log "$b/device-check-summary.txt" "$OUT/" 2>/dev/null
-    [ -d "$b/train" ] && cp -r "$b/train" "$OUT/" 2>/dev/null
+    # The train stage's logs and manifests; not its weight files (10 MiB each for medium).
+    [ -d "$b/train" ] && (cd "$b" && find train -type f ! -name '*.bin' \
+      -exec cp --parents {} "$OUT/" \;) 2>/dev/null
   fi
   exit "$1"
 }
