@@ -309,7 +309,7 @@ if timeout "$(stage_timeout "$t_build")" bash -c 'gencode=($gencode_str); build'
 else
   cat "$b/build.log"
   note "build: FAILED or timed out after $(( $(date +%s) - t0 )) s (log: $b/build.log)"
-  status=1
+  status=1 plain=0
 fi
 grep -i 'warning' "$b/build.log" | head -20
 fi
@@ -356,7 +356,7 @@ if [ $train = 1 ]; then
     meson_b=$(readlink -f "$MFSDP_DEVICE_MESON_BUILD")
     note "meson: the prebuilt $meson_b (MFSDP_DEVICE_MESON_BUILD)"
     : >"$b/meson.log"
-  elif [ "$to" -lt 20 ]; then
+  elif [ $((limit - SECONDS)) -lt 20 ]; then
     note "meson: skipped, past the ${limit}s limit"
     train=0
   elif ! find_meson; then
@@ -426,10 +426,14 @@ if [ $train = 1 ]; then
   fi
 fi
 
-[ $status = 0 ] || finish 1
+# A failed build stops only the stages that need what it builds.
+if [ $plain = 0 ] && [ $train = 0 ]; then
+  note "runs: none left to run"
+  finish 1
+fi
 if [ $build_only = 1 ]; then
   note "runs: skipped (--build-only)"
-  finish 0
+  finish $status
 fi
 [ -n "$run_ld" ] && export LD_LIBRARY_PATH=$run_ld${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if [ $fake = 0 ] && [ $have_gpu = 0 ]; then
@@ -437,7 +441,7 @@ if [ $fake = 0 ] && [ $have_gpu = 0 ]; then
     echo "-- nvidia-smi saw no GPU; the kernel test decides (exit 77: none)"
   else
     note "runs: skipped, no GPU on this machine (nothing was run on a device)"
-    finish 77
+    finish "$([ $status = 0 ] && echo 77 || echo 1)" # a failed build is not hidden by "no GPU"
   fi
 fi
 
@@ -457,7 +461,7 @@ while read -r l; do note "  $l"; done < <(grep -E 'aggregate rel err' "$b/kernel
 while read -r l; do note "  $l"; done < <(grep '^perf ' "$b/kernels.log")
 if [ "$rc" = 77 ]; then
   note "runs: skipped, no GPU on this machine (nothing was run on a device)"
-  finish 77
+  finish "$([ $status = 0 ] && echo 77 || echo 1)" # a failed build is not hidden by "no GPU"
 fi
 [ "$rc" = 0 ] || status=1
 
