@@ -20,8 +20,9 @@
 #             id through a file, every rank's exit status): its own muon-gather (fp32 Newton-
 #             Schulz on the CPU) against the single-process --reference within 1e-5, and its
 #             AdamW run under LD_PRELOAD=libmfsdp_preload.so (mfsdp's Muon on the GPU, bf16
-#             Newton-Schulz) against the same reference within the bf16 band; step times
-#             (after a launch that timed out, the rest of the stage is skipped);
+#             Newton-Schulz) against the same reference within the bf16 band, once more with
+#             registered arenas (MFSDP_NCCL_REGISTER=1); step times (after a launch that
+#             timed out, the rest of the stage is skipped);
 #   nccl      tests/gpu/nccl_ranks -n 2, 3, 4: forked ranks on the one GPU (distinct
 #             NCCL_HOSTID, sockets on loopback): all-gather, reduce-scatter, broadcast, reduce.
 # It ends with a summary block and a table (also $BUILD/device-check-summary.txt, copied
@@ -594,18 +595,26 @@ EOF
       continue
     fi
     steps_ms=()
-    for run in muon-gather shim; do
+    for run in muon-gather shim shim-register; do
       [ $hung = 1 ] && break
       w=$td/$run$n.bin
-      if [ $run = shim ]; then
-        tol=$band
-        run_launch "$run$n" "$n" env LD_PRELOAD="$preload" MFSDP_MANIFEST="$man" \
-          "$job" --optim adamw "${common[@]}" --dump-weights "$w"
-      else
-        tol=1e-5
-        run_launch "$run$n" "$n" "$job" --optim muon-gather "${common[@]}" --dump-weights "$w"
-      fi
-      label=$([ $run = shim ] && echo "mfsdp shim (job's adamw + LD_PRELOAD)" || echo "muon-gather (the job's own)")
+      case $run in
+        muon-gather)
+          tol=1e-5 label="muon-gather (the job's own)"
+          run_launch "$run$n" "$n" "$job" --optim muon-gather "${common[@]}" --dump-weights "$w"
+          ;;
+        shim)
+          tol=$band label="mfsdp shim (job's adamw + LD_PRELOAD)"
+          run_launch "$run$n" "$n" env LD_PRELOAD="$preload" MFSDP_MANIFEST="$man" \
+            "$job" --optim adamw "${common[@]}" --dump-weights "$w"
+          ;;
+        shim-register)
+          # Registered arenas: ncclMemAlloc + ncclCommRegister (docs/gpu.md, "Settings").
+          tol=$band label="mfsdp shim, MFSDP_NCCL_REGISTER=1"
+          run_launch "$run$n" "$n" env LD_PRELOAD="$preload" MFSDP_MANIFEST="$man" \
+            MFSDP_NCCL_REGISTER=1 "$job" --optim adamw "${common[@]}" --dump-weights "$w"
+          ;;
+      esac
       if [ "$rc" != 0 ]; then
         table+=("| $label | $n | FAILED: $(tail -1 "$td/$run$n.launch") | | | |")
         status=1
@@ -616,10 +625,10 @@ EOF
       read -r t_step t_optim t_comm <<<"$(timing "$td/$run$n/rank0.log")"
       verdict=$([ $crc = 0 ] && echo "$cmp_out ($tol)" || echo "FAILED: $cmp_out > $tol")
       table+=("| $label | $n | $verdict | ${t_step:-?} | ${t_optim:-?} | ${t_comm:-?} |")
-      steps_ms+=("${t_step:-}")
+      [ $run = shim-register ] || steps_ms+=("${t_step:-}")
       note "train n=$n $run: weights vs reference $verdict; step ${t_step:-?} ms"
       [ $crc = 0 ] || status=1
-      if [ $run = shim ]; then
+      if [ $run != muon-gather ]; then
         s=$(grep -h 'mfsdp: summary' "$td/$run$n"/rank*.log | head -1)
         note "  ${s:-no mfsdp summary line from the shim}"
         [ -n "$s" ] || status=1

@@ -17,9 +17,9 @@
                (exit 124), both well before the ranks would have ended.
   fake-check   scripts/device-check.sh --fake (its test-only mode) end to end on the job
                built here: 1 and 4 ranks, the job's muon-gather and its AdamW under the shim
-               against --reference within 1e-5, every rank's exit status, the table; with
-               MFSDP_DEVICE_BAND=1e-12 the shim rows fail and the script exits 1 (the
-               comparison can fail).
+               (also with MFSDP_NCCL_REGISTER=1) against --reference within 1e-5, every
+               rank's exit status, the table; with MFSDP_DEVICE_BAND=1e-12 both shim rows fail
+               and the script exits 1 (the comparison can fail).
 """
 import argparse
 import os
@@ -185,9 +185,9 @@ def cmd_fake_check(args):
             sys.stdout.write(p.stdout[-6000:])
             fail(f"device-check.sh --fake exited {p.returncode}")
         rows = [ln for ln in tail.splitlines() if ln.startswith("| m")]
-        if len(rows) != 4 or any("FAILED" in r for r in rows):
-            fail(f"want 4 passing table rows:\n{tail}")
-        if tail.count("mfsdp: summary:") != 2 or "no-MPI check: ok" not in tail:
+        if len(rows) != 6 or any("FAILED" in r for r in rows):
+            fail(f"want 6 passing table rows:\n{tail}")
+        if tail.count("mfsdp: summary:") != 4 or "no-MPI check: ok" not in tail:
             fail(f"summary incomplete:\n{tail}")
         sys.stdout.write(tail)
         env["MFSDP_DEVICE_BAND"] = "1e-12"
@@ -195,9 +195,9 @@ def cmd_fake_check(args):
         p = proc([CHECK, "--fake"], env=env, timeout=170)
         tail = p.stdout[p.stdout.find("===== mfsdp device check summary"):]
         bad = [ln for ln in tail.splitlines() if ln.startswith("| mfsdp shim") and "FAILED" in ln]
-        if p.returncode != 1 or len(bad) != 1:
+        if p.returncode != 1 or len(bad) != 2:
             sys.stdout.write(tail)
-            fail(f"with a 1e-12 band: exit {p.returncode}, {len(bad)} failing shim rows")
+            fail(f"with a 1e-12 band: exit {p.returncode}, {len(bad)} failing shim rows, want 2")
         print(f"ok: with MFSDP_DEVICE_BAND=1e-12 the shim row fails: {bad[0]}")
 
 
