@@ -172,7 +172,8 @@ if [ "$deps_pack" != none ] && [ -f "$deps_pack" ]; then
     echo "$stamp" >"$deps/.stamp"
   fi
   dl=$deps/usr/lib/x86_64-linux-gnu
-  export CPATH=$deps/usr/include:$deps/usr/include/x86_64-linux-gnu/openblas-pthread${CPATH:+:$CPATH}
+  # Debian's multiarch directory too: OpenSSL's configuration.h and opensslconf.h live there.
+  export CPATH=$deps/usr/include:$deps/usr/include/x86_64-linux-gnu:$deps/usr/include/x86_64-linux-gnu/openblas-pthread${CPATH:+:$CPATH}
   export LIBRARY_PATH=$dl:$dl/openblas-pthread${LIBRARY_PATH:+:$LIBRARY_PATH}
   # The pack's libraries are on the loader's path for the runs only (below), not for the
   # image's own tools (python3, nvcc); pkgconf gets them through a wrapper.
@@ -422,6 +423,20 @@ if [ $train = 1 ]; then
       note "no-MPI check: ok (no libmpi in readelf -d$([ $fake = 0 ] && echo ' or ldd') of the shim and the job; the job needs: $(readelf -d "$job" | grep NEEDED | sed 's/.*\[\(.*\)\]/\1/' | xargs))"
       if [ -n "$deps" ] && [ $fake = 0 ]; then
         note "  shim's jansson/libcrypto/openblas from: $(ldd_run "$preload" | grep -E 'jansson|crypto|openblas' | awk '{print $3}' | xargs -n1 dirname | sort -u | tr '\n' ' ')"
+        # Every jansson, OpenSSL and OpenBLAS header the build read (ninja's dependency
+        # records) must come from the pack: the GPU machine has no others.
+        hdrs=$(ninja -C "$meson_b" -t deps 2>/dev/null | sed 's/^ *//' |
+               grep -E '(^|/)(jansson[a-z_]*|cblas|openblas_config|openssl/[a-z_0-9]+)\.h$' | sort -u)
+        outside=$(grep -v "^$deps/" <<<"$hdrs" | grep -v '^$')
+        if [ -z "$hdrs" ]; then
+          note "  headers: FAILED, ninja recorded no jansson/OpenSSL/OpenBLAS header"
+          status=1 train=0
+        elif [ -n "$outside" ]; then
+          note "  headers: FAILED, $(wc -l <<<"$outside") from outside the pack: $(head -3 <<<"$outside" | xargs)"
+          status=1 train=0
+        else
+          note "  headers: all $(wc -l <<<"$hdrs") jansson/OpenSSL/OpenBLAS headers the build read are the pack's"
+        fi
       fi
     fi
   fi
