@@ -175,6 +175,10 @@ if [ "$deps_pack" != none ] && [ -f "$deps_pack" ]; then
   # Debian's multiarch directory too: OpenSSL's configuration.h and opensslconf.h live there.
   export CPATH=$deps/usr/include:$deps/usr/include/x86_64-linux-gnu:$deps/usr/include/x86_64-linux-gnu/openblas-pthread${CPATH:+:$CPATH}
   export LIBRARY_PATH=$dl:$dl/openblas-pthread${LIBRARY_PATH:+:$LIBRARY_PATH}
+  # -L: before the compiler's own directories (LIBRARY_PATH comes after them). The linker
+  # looks for a library's own dependencies (OpenBLAS's libgfortran) on the rpath-link path.
+  # Meson takes LDFLAGS at setup.
+  export LDFLAGS="-L$dl -L$dl/openblas-pthread -Wl,-rpath-link,$dl:$dl/openblas-pthread${LDFLAGS:+ $LDFLAGS}"
   # The pack's libraries are on the loader's path for the runs only (below), not for the
   # image's own tools (python3, nvcc); pkgconf gets them through a wrapper.
   run_ld=$dl:$dl/openblas-pthread
@@ -209,7 +213,8 @@ int main(void)
     return c != 1.0f;
 }
 EOF
-if gcc "$b/obj/blas_probe.c" -o "$b/obj/blas_probe" -lopenblas >/dev/null 2>&1; then
+read -ra ldflags <<<"${LDFLAGS:-}"
+if gcc "$b/obj/blas_probe.c" -o "$b/obj/blas_probe" "${ldflags[@]}" -lopenblas >/dev/null 2>&1; then
   blas=1
 fi
 [ $plain = 1 ] && note "cpu reference gemm: $([ $blas = 1 ] && echo openblas || echo portable C loop)"
@@ -278,7 +283,9 @@ build() {
   done
   cat "$b"/obj/*.log
   [ "$rc" = 0 ] || return 1
-  local libs=(-L"$cudalib" -Wl,-rpath,"$cudalib" -lcublas -lcublasLt -lcudart -lstdc++ -lm
+  local ldflags
+  read -ra ldflags <<<"${LDFLAGS:-}"
+  local libs=("${ldflags[@]}" -L"$cudalib" -Wl,-rpath,"$cudalib" -lcublas -lcublasLt -lcudart -lstdc++ -lm
               -lpthread -ldl)
   [ "$blas" = 1 ] && libs+=(-lopenblas)
   gcc -o "$b/test_cuda_kernels" "$b"/obj/*.o "${libs[@]}" || return 1
