@@ -558,7 +558,8 @@ if [ $train = 1 ]; then
   }
   # Compares weight files: prints the worst relative difference; exit 1 beyond tol.
   compare() {
-    python3 - "$1" "$2" "$3" <<'EOF'
+    # The image's python3 with its own libraries, not the pack's (its ssl, hashlib).
+    env -u LD_LIBRARY_PATH python3 - "$1" "$2" "$3" <<'EOF'
 import math, sys
 sys.path.insert(0, "tests/preload")
 import fsdp_train_check as ftc
