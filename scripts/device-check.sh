@@ -47,9 +47,10 @@
 #   240 / 240 / 150 / 60 / 90; _TRAIN is per launch),
 #   MFSDP_DEVICE_BUDGET (seconds after which no further stage starts; default 420),
 #   MFSDP_DEVICE_LIMIT (no stage runs past this many seconds; default 470),
-#   MFSDP_DEVICE_TRAIN_RANKS (default "1 4"), MFSDP_DEVICE_NCCL_RANKS (default "2 3 4"), MFSDP_DEVICE_TRAIN_MODEL (medium; small with
-#   --fake), MFSDP_DEVICE_TRAIN_STEPS (12), MFSDP_DEVICE_BAND (the shim's tolerance; default
-#   2e-2 on a GPU, the executor test's bf16 Newton-Schulz band, and 1e-5 with --fake).
+#   MFSDP_DEVICE_TRAIN_RANKS (default "1 4"), MFSDP_DEVICE_NCCL_RANKS (default "2 3 4"),
+#   MFSDP_DEVICE_TRAIN_MODEL (medium; small with --fake), MFSDP_DEVICE_TRAIN_STEPS (12),
+#   MFSDP_DEVICE_BAND (the shim's tolerance; default 2e-2 on a GPU, the executor test's bf16
+#   Newton-Schulz band, and 1e-5 with --fake).
 # Exit: 0 everything passed, 77 no GPU (the builds still ran), 1 a build or check failed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -427,9 +428,13 @@ if [ $train = 1 ]; then
       note "no-MPI check: FAILED:$bad"
       status=1 train=0
     else
-      note "no-MPI check: ok (no libmpi in readelf -d$([ $fake = 0 ] && echo ' or ldd') of the shim and the job; the job needs: $(readelf -d "$job" | grep NEEDED | sed 's/.*\[\(.*\)\]/\1/' | xargs))"
+      job_needs=$(readelf -d "$job" | grep NEEDED | sed 's/.*\[\(.*\)\]/\1/' | xargs)
+      note "no-MPI check: ok (no libmpi in readelf -d$([ $fake = 0 ] && echo ' or ldd') of the" \
+        "shim and the job; the job needs: $job_needs)"
       if [ -n "$deps" ] && [ $fake = 0 ]; then
-        note "  shim's jansson/libcrypto/openblas from: $(ldd_run "$preload" | grep -E 'jansson|crypto|openblas' | awk '{print $3}' | xargs -n1 dirname | sort -u | tr '\n' ' ')"
+        from=$(ldd_run "$preload" | grep -E 'jansson|crypto|openblas' | awk '{print $3}' |
+               xargs -n1 dirname | sort -u | xargs)
+        note "  shim's jansson/libcrypto/openblas from: $from"
         # Every jansson, OpenSSL and OpenBLAS header the build read (ninja's dependency
         # records) must come from the pack: the GPU machine has no others.
         hdrs=$(ninja -C "$meson_b" -t deps 2>/dev/null | sed 's/^ *//' |
