@@ -1,14 +1,28 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include "comm.h"
 
+#include <errno.h>
 #include <limits.h>
-#include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #ifndef FSDP_TRAIN_NCCL
 #error "compile with -DFSDP_TRAIN_NCCL=0 (MPI flavour) or -DFSDP_TRAIN_NCCL=1 (NCCL flavour)"
+#endif
+#ifndef FSDP_TRAIN_NOMPI
+#define FSDP_TRAIN_NOMPI 0
+#endif
+#if FSDP_TRAIN_NOMPI && !FSDP_TRAIN_NCCL
+#error "-DFSDP_TRAIN_NOMPI=1 is a bootstrap of the NCCL flavour: add -DFSDP_TRAIN_NCCL=1"
+#endif
+#if FSDP_TRAIN_NOMPI
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#else
+#include <mpi.h>
 #endif
 
 #if FSDP_TRAIN_NCCL
@@ -47,6 +61,7 @@ const char *ft_comm_flavour(void)
     return FSDP_TRAIN_NCCL ? "nccl" : "mpi";
 }
 
+#if !FSDP_TRAIN_NOMPI
 static int mpi_ok(int rc, const char *what)
 {
     if (rc == MPI_SUCCESS)
@@ -57,6 +72,7 @@ static int mpi_ok(int rc, const char *what)
     fprintf(stderr, "fsdp_train: %s failed: %s\n", what, msg);
     return -1;
 }
+#endif
 
 #if FSDP_TRAIN_NCCL
 static int nccl_ok(ncclResult_t rc, const char *what)
@@ -101,6 +117,7 @@ static int stage(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind k
 }
 #endif
 
+#if !FSDP_TRAIN_NOMPI
 static int count_ok(size_t count, size_t factor, const char *what)
 {
     if (count > (size_t)INT_MAX / (factor ? factor : 1)) {
@@ -109,6 +126,146 @@ static int count_ok(size_t count, size_t factor, const char *what)
     }
     return 0;
 }
+#endif
+
+#if FSDP_TRAIN_NOMPI
+/* ---- bootstrap without MPI: torchrun's variables and a unique-id file ----------------- */
+
+/* A non-negative integer from the environment variable name (below limit); -1 and a
+ * message when it is missing or malformed. */
+static int env_int(const char *name, long limit)
+{
+    const char *v = getenv(name);
+    if (v == NULL || *v == '\0') {
+        fprintf(stderr,
+                "fsdp_train: %s is not set (the no-MPI NCCL flavour takes RANK, WORLD_SIZE and "
+                "LOCAL_RANK from its launcher, as under torchrun)\n",
+                name);
+        return -1;
+    }
+    char *end;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (errno != 0 || end == v || *end != '\0' || x < 0 || x >= limit) {
+        fprintf(stderr, "fsdp_train: %s=%s is not an integer in [0, %ld)\n", name, v, limit);
+        return -1;
+    }
+    return (int)x;
+}
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Rank 0: the id goes to path through a temporary file and a rename, so a reader sees the
+ * whole id or no file. A file already there is refused (another run's id would make the
+ * ranks join different communicators). */
+static int id_write(const char *path, const ncclUniqueId *id)
+{
+    struct stat st;
+    if (stat(path, &st) == 0) {
+        fprintf(stderr,
+                "fsdp_train: the unique-id file %s already exists (left by an earlier run?); "
+                "remove it or name a new one in FSDP_TRAIN_ID_FILE\n",
+                path);
+        return -1;
+    }
+    char tmp[4096];
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof(tmp)) {
+        fprintf(stderr, "fsdp_train: FSDP_TRAIN_ID_FILE is too long\n");
+        return -1;
+    }
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) {
+        fprintf(stderr, "fsdp_train: cannot create %s: %s\n", tmp, strerror(errno));
+        return -1;
+    }
+    int rc = write(fd, id, sizeof(*id)) == (ssize_t)sizeof(*id) && fsync(fd) == 0 ? 0 : -1;
+    if (rc != 0)
+        fprintf(stderr, "fsdp_train: cannot write %s: %s\n", tmp, strerror(errno));
+    if (close(fd) != 0 && rc == 0) {
+        fprintf(stderr, "fsdp_train: cannot write %s: %s\n", tmp, strerror(errno));
+        rc = -1;
+    }
+    if (rc == 0 && rename(tmp, path) != 0) {
+        fprintf(stderr, "fsdp_train: cannot rename %s to %s: %s\n", tmp, path, strerror(errno));
+        rc = -1;
+    }
+    if (rc != 0)
+        unlink(tmp);
+    return rc;
+}
+
+/* Other ranks: wait up to timeout_s seconds for rank 0's file, then read exactly one id. */
+static int id_read(const char *path, int rank, int timeout_s, ncclUniqueId *id)
+{
+    double t0 = mono_s();
+    int fd;
+    while ((fd = open(path, O_RDONLY)) < 0) {
+        if (errno != ENOENT) {
+            fprintf(stderr, "fsdp_train: rank %d: cannot open %s: %s\n", rank, path,
+                    strerror(errno));
+            return -1;
+        }
+        if (mono_s() - t0 >= (double)timeout_s) {
+            fprintf(stderr,
+                    "fsdp_train: rank %d: no NCCL unique id in %s after %d s (rank 0 writes it "
+                    "at its start: did rank 0 start, with the same FSDP_TRAIN_ID_FILE? "
+                    "FSDP_TRAIN_ID_TIMEOUT sets the wait)\n",
+                    rank, path, timeout_s);
+            return -1;
+        }
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    char extra;
+    ssize_t n = read(fd, id, sizeof(*id));
+    ssize_t more = n == (ssize_t)sizeof(*id) ? read(fd, &extra, 1) : 0;
+    close(fd);
+    if (n != (ssize_t)sizeof(*id) || more != 0) {
+        fprintf(stderr, "fsdp_train: rank %d: %s does not hold one NCCL unique id (%zd bytes)\n",
+                rank, path, n);
+        return -1;
+    }
+    return 0;
+}
+
+/* RANK, WORLD_SIZE and the unique id shared through FSDP_TRAIN_ID_FILE. */
+static int bootstrap(int *rank_p, int *size_p, ncclUniqueId *id)
+{
+    int size = env_int("WORLD_SIZE", 1 << 20);
+    if (size < 1) {
+        if (size == 0)
+            fprintf(stderr, "fsdp_train: WORLD_SIZE=0\n");
+        return -1;
+    }
+    int rank = env_int("RANK", size);
+    if (rank < 0)
+        return -1;
+    const char *path = getenv("FSDP_TRAIN_ID_FILE");
+    if (path == NULL || *path == '\0') {
+        fprintf(stderr, "fsdp_train: FSDP_TRAIN_ID_FILE is not set (the no-MPI NCCL flavour "
+                        "shares rank 0's ncclUniqueId through that file)\n");
+        return -1;
+    }
+    int timeout_s = 120;
+    if (getenv("FSDP_TRAIN_ID_TIMEOUT") != NULL &&
+        (timeout_s = env_int("FSDP_TRAIN_ID_TIMEOUT", 86400)) < 0)
+        return -1;
+    if (rank == 0) {
+        if (nccl_ok(ncclGetUniqueId(id), "ncclGetUniqueId") != 0 || id_write(path, id) != 0)
+            return -1;
+    } else if (id_read(path, rank, timeout_s, id) != 0) {
+        return -1;
+    }
+    *rank_p = rank;
+    *size_p = size;
+    return 0;
+}
+#endif
 
 int ft_comm_init(int *argc, char ***argv, int local, ft_comm_t **comm_p)
 {
@@ -124,24 +281,38 @@ int ft_comm_init(int *argc, char ***argv, int local, ft_comm_t **comm_p)
         *comm_p = comm;
         return 0;
     }
+    int rank, size;
+#if FSDP_TRAIN_NOMPI
+    (void)argc;
+    (void)argv;
+    ncclUniqueId id;
+    if (bootstrap(&rank, &size, &id) != 0)
+        goto err_free;
+#else
     if (mpi_ok(MPI_Init(argc, argv), "MPI_Init") != 0)
         goto err_free;
-    int rank, size;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
+#endif
     comm->rank[FT_WORLD] = comm->rank[FT_SHARD] = rank;
     comm->size[FT_WORLD] = comm->size[FT_SHARD] = size;
 #if FSDP_TRAIN_NCCL
+#if !FSDP_TRAIN_NOMPI
     ncclUniqueId id;
     if (rank == 0 && nccl_ok(ncclGetUniqueId(&id), "ncclGetUniqueId") != 0)
         goto err_abort;
     if (mpi_ok(MPI_Bcast(&id, (int)sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD), "MPI_Bcast") != 0)
         goto err_abort;
+#endif
     comm->stream = NULL;
 #if FSDP_TRAIN_CUDA
     {
         int ndev = 0;
+#if FSDP_TRAIN_NOMPI
+        const char *lr = getenv("LOCAL_RANK");
+#else
         const char *lr = getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+#endif
         if (cuda_ok(cudaGetDeviceCount(&ndev), "cudaGetDeviceCount") != 0 || ndev < 1 ||
             cuda_ok(cudaSetDevice((lr != NULL ? atoi(lr) : rank) % ndev), "cudaSetDevice") != 0 ||
             cuda_ok(cudaStreamCreate(&comm->stream), "cudaStreamCreate") != 0)
@@ -151,6 +322,13 @@ int ft_comm_init(int *argc, char ***argv, int local, ft_comm_t **comm_p)
     if (nccl_ok(ncclCommInitRank(&comm->nccl[FT_WORLD], size, id, rank), "ncclCommInitRank") != 0)
         goto err_abort;
     comm->nccl[FT_SHARD] = comm->nccl[FT_WORLD];
+#if FSDP_TRAIN_NOMPI
+    /* Every rank has joined (ncclCommInitRank is collective): the id file has done its job,
+     * and a rerun with the same path starts clean. */
+    if (rank == 0 && unlink(getenv("FSDP_TRAIN_ID_FILE")) != 0)
+        fprintf(stderr, "fsdp_train: warning: cannot remove %s: %s\n", getenv("FSDP_TRAIN_ID_FILE"),
+                strerror(errno));
+#endif
 #else
     comm->mpi[FT_WORLD] = comm->mpi[FT_SHARD] = MPI_COMM_WORLD;
     comm->mpi[FT_REPLICATE] = MPI_COMM_SELF;
@@ -159,7 +337,7 @@ int ft_comm_init(int *argc, char ***argv, int local, ft_comm_t **comm_p)
     return 0;
 #if FSDP_TRAIN_NCCL
 err_abort:
-    MPI_Abort(MPI_COMM_WORLD, 1);
+    ft_comm_abort(comm, 1);
 #endif
 err_free:
     free(comm);
@@ -219,7 +397,9 @@ int ft_comm_finalize(ft_comm_t *comm)
                 cudaFree(comm->dev[i]);
         cudaStreamDestroy(comm->stream);
 #endif
+#if !FSDP_TRAIN_NOMPI
         rc |= mpi_ok(MPI_Finalize(), "MPI_Finalize");
+#endif
     }
     free(comm);
     return rc;
@@ -227,9 +407,17 @@ int ft_comm_finalize(ft_comm_t *comm)
 
 void ft_comm_abort(ft_comm_t *comm, int code)
 {
+#if FSDP_TRAIN_NOMPI
+    /* No MPI_Abort: this rank leaves at once (no exit handlers, which could wait on peers);
+     * its launcher sees the status and stops the other ranks, as torchrun does. */
+    (void)comm;
+    fflush(NULL);
+    _exit(code);
+#else
     if (comm != NULL && !comm->local)
         MPI_Abort(MPI_COMM_WORLD, code);
     exit(code);
+#endif
 }
 
 int ft_comm_rank(const ft_comm_t *comm, ft_scope_t scope)
@@ -302,36 +490,41 @@ int ft_comm_allgather(ft_comm_t *comm, const float *send, float *recv, size_t co
 }
 
 #if FSDP_TRAIN_NCCL
-/* One group of point-to-point calls between root and every other rank of the shard group:
- * to_root: each non-root sends its block, root receives one block per peer (a gather);
- * otherwise root sends block r to rank r, which receives it (a scatter). The group is ended
- * even when a call inside it failed. */
-static int p2p_rooted(ft_comm_t *comm, const char *sb, char *rb, size_t count, int root,
-                      int to_root)
+/* One group of point-to-point calls between root and every other rank of nc (rank, size:
+ * this rank's place in it; elements of dt, esize bytes each): to_root: each non-root sends
+ * its block, root receives one block per peer (a gather); otherwise root sends block r to
+ * rank r, which receives it (a scatter). The group is ended even when a call inside it
+ * failed. */
+static int p2p_rooted_on(ft_comm_t *comm, ncclComm_t nc, int rank, int size, const char *sb,
+                         char *rb, size_t count, ncclDataType_t dt, size_t esize, int root,
+                         int to_root)
 {
-    int rank = comm->rank[FT_SHARD], size = comm->size[FT_SHARD];
-    size_t bytes = count * sizeof(float);
-    ncclComm_t nc = comm->nccl[FT_SHARD];
+    size_t bytes = count * esize;
     int rc = nccl_ok(ncclGroupStart(), "ncclGroupStart");
     if (rc != 0)
         return -1;
     if (rank != root) {
-        rc = to_root
-                 ? nccl_ok(ncclSend(sb, count, ncclFloat32, root, nc, comm->stream), "ncclSend")
-                 : nccl_ok(ncclRecv(rb, count, ncclFloat32, root, nc, comm->stream), "ncclRecv");
+        rc = to_root ? nccl_ok(ncclSend(sb, count, dt, root, nc, comm->stream), "ncclSend")
+                     : nccl_ok(ncclRecv(rb, count, dt, root, nc, comm->stream), "ncclRecv");
     } else {
         for (int r = 0; r < size && rc == 0; r++) {
             if (r == root)
                 continue;
             size_t off = (size_t)r * bytes;
-            rc = to_root ? nccl_ok(ncclRecv(rb + off, count, ncclFloat32, r, nc, comm->stream),
-                                   "ncclRecv")
-                         : nccl_ok(ncclSend(sb + off, count, ncclFloat32, r, nc, comm->stream),
-                                   "ncclSend");
+            rc = to_root ? nccl_ok(ncclRecv(rb + off, count, dt, r, nc, comm->stream), "ncclRecv")
+                         : nccl_ok(ncclSend(sb + off, count, dt, r, nc, comm->stream), "ncclSend");
         }
     }
     rc |= nccl_ok(ncclGroupEnd(), "ncclGroupEnd");
     return rc == 0 ? 0 : -1;
+}
+
+/* p2p_rooted_on for float32 blocks on the shard group. */
+static int p2p_rooted(ft_comm_t *comm, const char *sb, char *rb, size_t count, int root,
+                      int to_root)
+{
+    return p2p_rooted_on(comm, comm->nccl[FT_SHARD], comm->rank[FT_SHARD], comm->size[FT_SHARD], sb,
+                         rb, count, ncclFloat32, sizeof(float), root, to_root);
 }
 #endif
 
@@ -527,8 +720,34 @@ int ft_comm_gather_report(ft_comm_t *comm, const double *v, size_t n, double *al
         memcpy(all, v, n * sizeof(double));
         return 0;
     }
+#if FSDP_TRAIN_NOMPI
+    /* Grouped ncclSend/ncclRecv of float64 to world rank 0: calls an interposer of FSDP's
+     * collectives does not see. */
+    int rank = comm->rank[FT_WORLD], size = comm->size[FT_WORLD];
+    size_t bytes = n * sizeof(double);
+#if FSDP_TRAIN_CUDA
+    char *ds = dev_buf(comm, 1, bytes);
+    char *dr = rank == 0 ? dev_buf(comm, 0, bytes * (size_t)size) : NULL;
+    if (ds == NULL || (rank == 0 && dr == NULL) ||
+        stage(ds, v, bytes, cudaMemcpyHostToDevice, comm) != 0)
+        return -1;
+    if (p2p_rooted_on(comm, comm->nccl[FT_WORLD], rank, size, ds, dr, n, ncclFloat64,
+                      sizeof(double), 0, 1) != 0)
+        return -1;
+    if (rank == 0 && stage(all, dr, bytes * (size_t)size, cudaMemcpyDeviceToHost, comm) != 0)
+        return -1;
+#else
+    if (p2p_rooted_on(comm, comm->nccl[FT_WORLD], rank, size, (const char *)v, (char *)all, n,
+                      ncclFloat64, sizeof(double), 0, 1) != 0)
+        return -1;
+#endif
+    if (rank == 0)
+        memcpy(all, v, bytes);
+    return 0;
+#else
     if (count_ok(n, 1, "MPI_Gather") != 0)
         return -1;
     return mpi_ok(MPI_Gather(v, (int)n, MPI_DOUBLE, all, (int)n, MPI_DOUBLE, 0, MPI_COMM_WORLD),
                   "MPI_Gather");
+#endif
 }

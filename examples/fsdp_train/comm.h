@@ -14,6 +14,13 @@
  *    tensors and the stream is NULL; built with FSDP_TRAIN_CUDA=1 (real NCCL) each call
  *    stages its buffers through device memory on a CUDA stream of its own, on device
  *    OMPI_COMM_WORLD_LOCAL_RANK modulo the device count.
+ *    With FSDP_TRAIN_NOMPI=1 too (fsdp_train_nccl_nompi) the NCCL flavour uses no MPI at all:
+ *    ranks come from torchrun's RANK, WORLD_SIZE and LOCAL_RANK (the device), rank 0 writes
+ *    its ncclUniqueId to the file FSDP_TRAIN_ID_FILE (a temporary file renamed into place;
+ *    an existing file is refused; removed once every rank joined) and the others wait for it
+ *    up to FSDP_TRAIN_ID_TIMEOUT seconds (default 120); the final report travels by grouped
+ *    ncclSend/ncclRecv and a fatal error ends the rank alone (_exit), its launcher stopping
+ *    the others.
  * Three communicators: the world (loss logging), the FSDP shard group (all-gathers,
  * reduce-scatters, the norm all-reduce of gradient clipping, muon-gather's all-gathers,
  * muon-dist's gathers and scatters) and the
@@ -47,7 +54,8 @@ typedef enum {
 /** "mpi" or "nccl". */
 const char *ft_comm_flavour(void);
 
-/** Initialize MPI (unless local) and the flavour's communicator; 0 or -1 (message printed). */
+/** Initialize MPI or, without MPI, read the launcher's variables and the id file (unless
+ * local), then the flavour's communicator; 0 or -1 (message printed). */
 int ft_comm_init(int *argc, char ***argv, int local, ft_comm_t **comm_p);
 
 /**
@@ -56,10 +64,11 @@ int ft_comm_init(int *argc, char ***argv, int local, ft_comm_t **comm_p);
  */
 int ft_comm_mesh(ft_comm_t *comm, int replicate);
 
-/** Destroy the communicators and finalize MPI. */
+/** Destroy the communicators and finalize MPI (when used). */
 int ft_comm_finalize(ft_comm_t *comm);
 
-/** Stop every rank after a fatal error (MPI_Abort; exit in local mode). */
+/** Stop every rank after a fatal error (MPI_Abort; exit in local mode; without MPI this
+ * rank's _exit, the launcher stopping the others). */
 void ft_comm_abort(ft_comm_t *comm, int code);
 
 /** Rank and size in one of the communicators. */

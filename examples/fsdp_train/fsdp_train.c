@@ -302,6 +302,8 @@ static void usage(FILE *f)
     fprintf(
         f,
         "usage: fsdp_train_{mpi,nccl} [options]   (run under mpirun; --reference runs alone)\n"
+        "       fsdp_train_nccl_nompi [options]   (no MPI: a launcher sets RANK, WORLD_SIZE,\n"
+        "                         LOCAL_RANK and FSDP_TRAIN_ID_FILE; FSDP_TRAIN_ID_TIMEOUT s)\n"
         "  --steps N              training steps (30)\n"
         "  --seed S               seed of data, teacher and init (1)\n"
         "  --optim O              adamw | muon-gather | muon-dist | none\n"

@@ -10,7 +10,10 @@
  *   NCCL, so a preloaded interposer can forward to `pncclX`.
  * - Buffers are host pointers; the stream argument is only recorded (FAKE_NCCL_TRACE) and
  *   every call has completed when it returns (as if the stream were synchronized).
- * - The job calls MPI_Init itself (NCCL jobs use MPI only to broadcast the unique id).
+ * - The job may call MPI_Init itself (NCCL jobs that use MPI only to broadcast the unique
+ *   id). A job that does not (fsdp_train_nccl_nompi: ranks from RANK/WORLD_SIZE, the id
+ *   through a file) still runs under mpirun: the first ncclCommInitRank initializes MPI
+ *   (PMPI_Init) and the library finalizes it at exit.
  *   The library's own traffic goes through the PMPI_ names: it stands in for NCCL, which uses
  *   no MPI, so an MPI interposer (the shim's MPI front-end, a tracing tool) must not see it.
  *   ncclCommInitRank splits MPI_COMM_WORLD by a hash of the unique id, so it is collective
@@ -937,14 +940,28 @@ static ncclResult_t comm_wrap(MPI_Comm mpi, int nranks, int rank, const ncclUniq
     return ncclSuccess;
 }
 
+/* At exit of a job whose MPI the library initialized. */
+static void fake_finalize_mpi(void)
+{
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized)
+        PMPI_Finalize();
+}
+
 FAKE_EXPORT ncclResult_t pncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId commId,
                                                  int rank, ncclConfig_t *config)
 {
     int initialized = 0;
     MPI_Initialized(&initialized);
-    if (!initialized) {
-        fake_warn("ncclCommInitRank: MPI is not initialized (the job must call MPI_Init)");
-        return ncclInvalidUsage;
+    if (!initialized) { /* a job without MPI: the library brings its own */
+        ncclResult_t ir = mpi_result(PMPI_Init(NULL, NULL), "MPI_Init");
+        if (ir != ncclSuccess)
+            return ir;
+        if (atexit(fake_finalize_mpi) != 0) {
+            fake_warn("ncclCommInitRank: cannot register MPI_Finalize at exit");
+            return ncclSystemError;
+        }
     }
     if (comm == NULL || nranks < 1 || rank < 0 || rank >= nranks) {
         fake_warn("ncclCommInitRank: invalid arguments (comm %p, nranks %d, rank %d)", (void *)comm,
