@@ -23,6 +23,9 @@
 #             Newton-Schulz) against the same reference within the bf16 band, once more with
 #             registered arenas (MFSDP_NCCL_REGISTER=1); step times (after a launch that
 #             timed out, the rest of the stage is skipped);
+#   torch     examples/pytorch/train_fsdp2.py --device cuda under `mfsdp-run torchrun` at 4 and
+#             1 ranks (the PyTorch companion, PyTorch's own NCCL): the saved state_dict() against
+#             tests/python/reference.py's float64 Muon within the band (not with --fake);
 #   nccl      tests/gpu/nccl_ranks -n 2, 3, 4: forked ranks on the one GPU (distinct
 #             NCCL_HOSTID, sockets on loopback): all-gather, reduce-scatter, broadcast, reduce.
 # It ends with a summary block and a table (also $BUILD/device-check-summary.txt, copied
@@ -48,6 +51,8 @@
 #   MFSDP_DEVICE_BUDGET (seconds after which no further stage starts; default 420),
 #   MFSDP_DEVICE_LIMIT (no stage runs past this many seconds; default 470),
 #   MFSDP_DEVICE_TRAIN_RANKS (default "1 4"), MFSDP_DEVICE_NCCL_RANKS (default "2 3 4"),
+#   MFSDP_DEVICE_TORCH_RANKS (default "4 1"), MFSDP_DEVICE_TORCH_STEPS (6),
+#   MFSDP_DEVICE_TIMEOUT_TORCH (seconds per launch, default 150),
 #   MFSDP_DEVICE_TRAIN_MODEL (medium; small with --fake), MFSDP_DEVICE_TRAIN_STEPS (12),
 #   MFSDP_DEVICE_BAND (the shim's tolerance; default 2e-2 on a GPU, the executor test's bf16
 #   Newton-Schulz band, and 1e-5 with --fake).
@@ -242,10 +247,12 @@ finish() {
     fi
   } | tee "$b/device-check-summary.txt"
   if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
-    cp "$b"/*.log "$b/device-check-summary.txt" "$OUT/" 2>/dev/null
-    # The train stage's logs and manifests; not its weight files (10 MiB each for medium).
-    [ -d "$b/train" ] && (cd "$b" && find train -type f ! -name '*.bin' \
-      -exec cp --parents {} "$OUT/" \;) 2>/dev/null
+    # Two files: the device tool returns at most 8. The logs, the train and torch stages'
+    # logs and manifests, not their weight files (10 MiB each for medium).
+    cp "$b/device-check-summary.txt" "$OUT/"
+    (cd "$b" && find . -maxdepth 1 -name '*.log' -print0 &&
+       find train torch -type f ! -name '*.bin' ! -name '*.pt' -print0 2>/dev/null) |
+      tar -C "$b" -czf "$OUT/device-check-logs.tar.gz" --null -T - 2>/dev/null
   fi
   exit "$1"
 }
@@ -666,6 +673,91 @@ EOF
       note "train n=$n: step time, mfsdp shim vs muon-gather: ${steps_ms[1]} ms vs ${steps_ms[0]} ms ($(awk -v a="${steps_ms[1]}" -v b="${steps_ms[0]}" 'BEGIN { if (b > 0) printf "%.2fx", a / b; else print "n/a" }'))"
     fi
   done
+fi
+# ---------------------------------------------------------------- torch: the PyTorch companion
+# examples/pytorch/train_fsdp2.py (an ordinary FSDP2 script, no mfsdp code) with --device cuda
+# under `mfsdp-run torchrun`, the shim from the meson build: the companion tags FSDP2's
+# collectives and the shim runs the owner collectives on PyTorch's own NCCL communicators
+# (PyTorch's NCCL wheel), Newton-Schulz on the GPU (bf16). Each rank gets its own NCCL_HOSTID
+# (torchrun --no-python through bash), as the ranks share the GPU. The job's saved
+# state_dict() (after the companion's write-back) against tests/python/reference.py's float64
+# Muon on the CPU, within the band; at 1 rank FSDP2 issues no collective and the companion
+# issues them (docs/pytorch.md, "Limits").
+if [ $train = 1 ] && [ $fake = 0 ]; then
+  t_torch=${MFSDP_DEVICE_TIMEOUT_TORCH:-150}
+  tband=${MFSDP_DEVICE_BAND:-2e-2}
+  tflags=(--steps "${MFSDP_DEVICE_TORCH_STEPS:-6}")
+  tt=$b/torch
+  rm -rf "$tt" && mkdir -p "$tt"
+  # python3 sees the pack's libraries (LD_LIBRARY_PATH) only in the job, where the
+  # preloaded shim needs them.
+  if ! env -u LD_LIBRARY_PATH python3 -c \
+       'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+       >"$tt/python.log" 2>&1; then
+    note "torch: skipped, python3 has no torch that sees the GPU ($(tail -1 "$tt/python.log"))"
+  else
+    note "torch: $(env -u LD_LIBRARY_PATH python3 -c 'import torch; print("torch", torch.__version__, "nccl", ".".join(map(str, torch.cuda.nccl.version())))' 2>&1 | tail -1); band $tband"
+    for n in ${MFSDP_DEVICE_TORCH_RANKS:-4 1}; do
+      if over_budget; then
+        note "torch n=$n: skipped, past the ${budget}s budget"
+        continue
+      fi
+      to=$(stage_timeout "$t_torch")
+      echo "== torch n=$n: mfsdp-run torchrun --nproc-per-node $n train_fsdp2.py --device cuda (timeout ${to}s)"
+      t0=$SECONDS
+      # shellcheck disable=SC2016
+      PYTHONPATH=$root/python MFSDP_PRELOAD_LIB=$preload timeout "$to" \
+        python3 -m mfsdp.run python3 -m torch.distributed.run --standalone \
+        --nproc-per-node "$n" --no-python bash -c \
+        'NCCL_HOSTID=mfsdp-torch-$LOCAL_RANK exec python3 "$@"' bash \
+        "$root/examples/pytorch/train_fsdp2.py" --device cuda "${tflags[@]}" \
+        --save "$tt/mfsdp$n.pt" >"$tt/run$n.log" 2>&1
+      rc=$?
+      secs=$((SECONDS - t0))
+      s=$(grep -h 'mfsdp: summary' "$tt/run$n.log" | head -1)
+      if [ $rc != 0 ]; then
+        tail -30 "$tt/run$n.log"
+        note "torch n=$n: FAILED, exit $rc$([ $rc = 124 ] && echo ' (timed out)') after ${secs}s"
+        while read -r l; do note "  $l"; done \
+          < <(grep -E 'Error|error:|mfsdp: ' "$tt/run$n.log" | grep -v '^\s*File' | head -4)
+        table+=("| mfsdp-run torchrun train_fsdp2.py | $n | FAILED: exit $rc | | | |")
+        status=1
+        continue
+      fi
+      if ! env -u LD_LIBRARY_PATH python3 "$root/tests/python/reference.py" --world "$n" --optim muon64 \
+           --out "$tt/ref$n.pt" "${tflags[@]}" >"$tt/ref$n.log" 2>&1; then
+        tail -5 "$tt/ref$n.log"
+        note "torch n=$n: FAILED, the reference run failed"
+        status=1
+        continue
+      fi
+      cmp_out=$(env -u LD_LIBRARY_PATH python3 - "$tt/mfsdp$n.pt" "$tt/ref$n.pt" "$tband" <<'PY'
+import sys
+import torch
+a, b, tol = torch.load(sys.argv[1]), torch.load(sys.argv[2]), float(sys.argv[3])
+if sorted(a) != sorted(b):
+    print("tensor names differ")
+    sys.exit(1)
+worst, name = 0.0, ""
+for k in sorted(a):
+    x, y = a[k].double().cpu(), b[k].double().cpu()
+    rel = float((x - y).abs().max()) / max(float(y.abs().max()), 1e-30)
+    if not bool(x.isfinite().all()):
+        rel = float("inf")
+    if rel >= worst:
+        worst, name = rel, k
+print(f"{worst:.2e} ({name})")
+sys.exit(0 if worst <= tol else 1)
+PY
+)
+      crc=$?
+      verdict=$([ $crc = 0 ] && echo "$cmp_out ($tband)" || echo "FAILED: $cmp_out > $tband")
+      note "torch n=$n: weights vs float64 Muon $verdict; ${secs}s"
+      note "  ${s:-no mfsdp summary line from the shim}"
+      table+=("| mfsdp-run torchrun train_fsdp2.py | $n | $verdict | | | |")
+      [ $crc = 0 ] && [ -n "$s" ] || status=1
+    done
+  fi
 fi
 # ---------------------------------------------------------------- NCCL ranks (after train:
 # the train stage is the one most worth its device time)

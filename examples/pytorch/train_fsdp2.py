@@ -206,7 +206,8 @@ def main(argv=None):
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # modulo: several ranks may share one GPU (each with its own NCCL_HOSTID)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
