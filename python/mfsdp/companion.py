@@ -235,11 +235,11 @@ class Companion:
                     ins.append(inputs[0].detach().reshape(-1))
                 if len({t.dtype for t in ins}) > 1:  # FSDP2 gathers mixed dtypes as bytes
                     ins = [t.view(torch.uint8) for t in ins]
-                flat = torch.cat(ins)
-                out = torch.empty_like(flat)
+                out = torch.cat(ins)
                 _tls.pending = ("ag", root, gi, None)
                 try:
-                    fn(out, flat, group=g.mesh_info.shard_process_group)
+                    # in place, as FSDP2's own all-gather (the input is rank 0's block)
+                    fn(out, out.narrow(0, 0, out.numel()), group=g.mesh_info.shard_process_group)
                 finally:
                     _tls.pending = None
 

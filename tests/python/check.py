@@ -342,13 +342,24 @@ def check_handover(r, np, flags, manifest, saved, config):
     job's optimizer (their .grad is None after the reduce), so the job's tail trains exactly
     as the frozen-muon reference's, and (b) be replaced in the saved state_dict by what the
     write-back all-gather delivered (zeros here)."""
-    ref = os.path.join(r.tmp, "frozen-muon.pt")
-    r.reference(np, flags, ref, "frozen-muon")
-    a, b = load(saved), load(ref)
     owned = {p["name"] for g in manifest["groups"] for p in g["params"]
              if p["optimizer"] == "muon" and p["requires_grad"]}
     if not owned:
         fail("no owner-managed params in the manifest")
+    if np == 1:
+        # On one rank the write-back runs after every owner step (FSDP2's next unshard copies
+        # the shards), so with a shim that moves no data the owner-managed weights are zero
+        # from the first step on and the tail trains on another model than the reference's:
+        # only (b) holds. e2e_*_np1 checks one-rank training against the float64 reference.
+        a = load(saved)
+        if any(bool(a[k].any()) for k in owned):
+            fail("the saved state does not hold the write-back's data")
+        print(f"ok: {len(owned)} owner-managed params written back (the tail is checked by "
+              "e2e at 1 rank)")
+        return
+    ref = os.path.join(r.tmp, "frozen-muon.pt")
+    r.reference(np, flags, ref, "frozen-muon")
+    a, b = load(saved), load(ref)
     tol = REFERENCE_TOL.get(config, REFERENCE_TOL["default"])
     worst = 0.0
     for k in sorted(b):
@@ -444,7 +455,9 @@ def check_wire(m, events, rank, np, config, jargs, lam):
             want_n = sum(s for (_, s, _), f in zip(lay, flags) if f == "1")
             want_dt = NCCL_DT[g["reduce_dtype"]]
             want_ranks = ws if tkind == 1 else rep
-            want_op = NCCL_AVG
+            # FSDP2's op: avg, but sum on one rank (the reduce-scatter the companion issues
+            # there in place of FSDP2's copy uses FSDP2's own one-rank op)
+            want_op = NCCL_SUM if ws * rep == 1 else NCCL_AVG
             want_inplace = 0 if tkind == 1 else 1
             if (count, dtype, op, inplace, nranks) != (want_n, want_dt, want_op, want_inplace,
                                                        want_ranks):
@@ -463,9 +476,12 @@ def check_wire(m, events, rank, np, config, jargs, lam):
             fail(f"rank {rank}: unexpected tag kind {tkind}")
     owner_groups = [gi for gi, g in enumerate(groups)
                     if any(p["optimizer"] == "muon" and p["requires_grad"] for p in g["params"])]
-    if [gi for gi, _ in syncs] != owner_groups or any(n != jargs.steps for _, n in syncs):
-        fail(f"rank {rank}: write-backs {syncs} (group, steps before), expected one per group "
-             f"with owner-managed params {owner_groups} after the last step")
+    # One write-back per group with owner-managed params before the job's save; on one rank
+    # one after every owner step instead (FSDP2's next unshard copies the local shards).
+    want_syncs = ([(gi, t) for t in range(1, jargs.steps + 1) for gi in owner_groups]
+                  if ws == 1 else [(gi, jargs.steps) for gi in owner_groups])
+    if syncs != want_syncs:
+        fail(f"rank {rank}: write-backs {syncs} (group, steps before), expected {want_syncs}")
     if pending is not None:
         fail(f"rank {rank}: tag {pending} was never followed by its collective")
     if np // rep > 1 and (counts["allgather"] == 0 or counts["reduce_scatter"] == 0):
