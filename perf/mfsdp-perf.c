@@ -1274,10 +1274,14 @@ static int opt_parse_opt(void *state, int opt, const char *arg)
 /* One Muon matrix: m x k, FSDP shard of c rows per rank (zero padding rows). */
 typedef struct opt_mat {
     const mfsdp_param_desc_t *p;
-    int64_t m, k, c;
-    int owner; /* mfsdp owner (the plan) */
-    int root;  /* DMuon root: round-robin over matrices */
-    float *gs; /* this rank's gradient shard (c k), as after FSDP's reduce-scatter */
+    size_t group;       /* manifest group of the matrix */
+    int64_t m, k, c;    /* c: FSDP rows per rank */
+    int64_t fsdp_o;     /* element offset of its shard in the group's per-rank block */
+    mfsdp_muon_hp_t hp; /* the group's Muon hyper-parameters (lr_scale, weight_decay) */
+    int owner;          /* mfsdp owner (the plan) */
+    int root;           /* DMuon root: round-robin over matrices */
+    int gs_borrowed;    /* 1: gs points into a caller's buffer (trainstep) */
+    float *gs;          /* this rank's gradient shard (c k), as after FSDP's reduce-scatter */
     /* mfsdp (owner only): full W, M, G */
     float *ow, *om, *og;
     /* FSDP2-Muon: gathered G (n c k), full W, M (n c k, padding rows unused) */
@@ -1289,10 +1293,11 @@ typedef struct opt_mat {
 typedef struct opt_ctx {
     size_t nmat;
     opt_mat_t *mat;
-    mfsdp_muon_hp_t hp;
     float *ws;
     size_t ws_elems;
     MPI_Request *req;
+    size_t maxmk;      /* elements of the largest matrix */
+    double muon_bytes; /* fp32 bytes of all Muon matrices */
 } opt_ctx_t;
 
 static void opt_fill(float *x, size_t n, uint64_t seed, float scale)
@@ -1340,7 +1345,7 @@ static int opt_update(opt_ctx_t *x, opt_mat_t *a, float *w, float *mom, const fl
 {
     const mfsdp_status_t st =
         mfsdp_cpu_muon_update(w, mom, g, NULL, MFSDP_FLOAT32, a->m, a->k, a->p->nsplit, a->p->split,
-                              &x->hp, x->ws, x->ws_elems);
+                              &a->hp, x->ws, x->ws_elems);
     if (st != MFSDP_OK) {
         fprintf(stderr, "mfsdp-perf: rank %d: muon update %s: %s\n", g_rank, a->p->name,
                 mfsdp_status_string(st));
@@ -1419,6 +1424,25 @@ static int opt_run_dmuon(opt_ctx_t *x, double *comm, double *comp)
     return 0;
 }
 
+/* Mismatches of this rank's rows of matrix a between the reference ref (the whole m x k
+ * matrix, mfsdp's result) and the two baselines' results: FSDP2-Muon's full copy fw and
+ * DMuon's returned rows dws. Tolerance |x - ref| <= 1e-5 (1 + |ref|) (fp32: the systems
+ * reduce the gradient in different orders). */
+static long opt_cmp_rows(const opt_mat_t *a, const float *ref)
+{
+    long wrong = 0;
+    const int64_t first = g_rank * a->c;
+    int64_t nrows = a->m - first;
+    nrows = nrows < 0 ? 0 : (nrows > a->c ? a->c : nrows);
+    for (size_t e = 0; e < (size_t)(nrows * a->k); e++) {
+        const float r = ref[(size_t)(first * a->k) + e];
+        const float f = a->fw[(size_t)(first * a->k) + e], d = a->dws[e];
+        const float tol = 1e-5f * (1.0f + fabsf(r));
+        wrong += !isfinite(r) || !(fabsf(f - r) <= tol) || !(fabsf(d - r) <= tol);
+    }
+    return wrong;
+}
+
 /* After one step from the initial state: this rank's rows of every matrix agree across the
  * three placements (mfsdp's owner broadcasts its result, untimed). */
 static long opt_check(opt_ctx_t *x, float *tmp)
@@ -1435,17 +1459,110 @@ static long opt_check(opt_ctx_t *x, float *tmp)
         if (corrupt && i == 0) {
             tmp[(size_t)(g_rank * a->c * a->k)] += 1.0f;
         }
-        const int64_t first = g_rank * a->c;
-        int64_t nrows = a->m - first;
-        nrows = nrows < 0 ? 0 : (nrows > a->c ? a->c : nrows);
-        for (size_t e = 0; e < (size_t)(nrows * a->k); e++) {
-            const float ref = tmp[(size_t)(first * a->k) + e];
-            const float f = a->fw[(size_t)(first * a->k) + e], d = a->dws[e];
-            const float tol = 1e-5f * (1.0f + fabsf(ref));
-            wrong += !isfinite(ref) || !(fabsf(f - ref) <= tol) || !(fabsf(d - ref) <= tol);
-        }
+        wrong += opt_cmp_rows(a, tmp);
     }
     return wrong;
+}
+
+/* The Muon hyper-parameters of group g as the runtime's owner step derives them
+ * (runtime/step.c): the manifest's, lr times the group's lr_scale, the group's weight decay
+ * when it sets one; the schedule's factor is 1 (the harness sets it so on its contexts). */
+static void opt_group_hp(const mfsdp_manifest_t *m, size_t g, mfsdp_muon_hp_t *hp)
+{
+    const mfsdp_group_desc_t *gd = &m->groups[g];
+    hp->lr = (float)(m->hp.lr * gd->lr_scale);
+    hp->momentum = (float)m->hp.momentum;
+    hp->weight_decay = (float)(gd->has_weight_decay ? gd->weight_decay : m->hp.weight_decay);
+    hp->nesterov = m->hp.nesterov;
+    hp->ns_steps = m->hp.ns_steps;
+    hp->scale = m->hp.scale;
+}
+
+/* The Muon matrices of a plan with the buffers of the two baselines (and, with owner_bufs,
+ * mfsdp's raw owner buffers ow, om, og); with borrow_gs the gradient shards gs are left
+ * NULL for the caller to point into its reduce-scatter output. 0, or -1 out of memory
+ * (whatever was allocated is released by opt_free()). */
+static int opt_build(opt_ctx_t *x, const mfsdp_manifest_t *m, const mfsdp_plan_t *plan,
+                     int owner_bufs, int borrow_gs)
+{
+    memset(x, 0, sizeof(*x));
+    x->mat = calloc(plan->nshards, sizeof(*x->mat));
+    x->req = calloc(plan->nshards + 1, sizeof(*x->req));
+    int oom = x->mat == NULL || x->req == NULL;
+    for (size_t s = 0; s < plan->nshards && !oom; s++) {
+        const mfsdp_shard_t *sh = &plan->shards[s];
+        if (sh->role != MFSDP_ROLE_MUON) {
+            continue;
+        }
+        opt_mat_t *a = &x->mat[x->nmat];
+        a->p = &m->groups[sh->group].params[sh->param];
+        a->group = sh->group;
+        a->m = sh->rows;
+        a->k = sh->cols;
+        a->c = (a->m + g_world - 1) / g_world;
+        a->fsdp_o = sh->fsdp_o;
+        opt_group_hp(m, sh->group, &a->hp);
+        a->owner = sh->owner;
+        a->root = (int)(x->nmat % (size_t)g_world);
+        a->gs_borrowed = borrow_gs;
+        const size_t mk = (size_t)(a->m * a->k), nck = (size_t)(g_world * a->c * a->k);
+        x->maxmk = mk > x->maxmk ? mk : x->maxmk;
+        x->muon_bytes += 4.0 * (double)mk;
+        const size_t ws = mfsdp_muon_workspace_elems(a->m, a->k);
+        x->ws_elems = ws > x->ws_elems ? ws : x->ws_elems;
+        x->nmat++;
+        if (!borrow_gs) {
+            a->gs = malloc((size_t)(a->c * a->k) * sizeof(float));
+            oom |= !a->gs;
+        }
+        a->dws = malloc((size_t)(a->c * a->k) * sizeof(float));
+        a->fg = malloc(nck * sizeof(float));
+        a->fw = calloc(nck, sizeof(float));
+        a->fm = calloc(nck, sizeof(float));
+        oom |= !a->dws || !a->fg || !a->fw || !a->fm;
+        if (owner_bufs && a->owner == g_rank) {
+            a->ow = malloc(mk * sizeof(float));
+            a->om = malloc(mk * sizeof(float));
+            a->og = malloc(mk * sizeof(float));
+            oom |= !a->ow || !a->om || !a->og;
+        }
+        if (a->root == g_rank) {
+            a->dg = malloc(nck * sizeof(float));
+            a->dw = calloc(nck, sizeof(float));
+            a->dm = calloc(nck, sizeof(float));
+            oom |= !a->dg || !a->dw || !a->dm;
+        }
+    }
+    x->ws = malloc((x->ws_elems ? x->ws_elems : 1) * sizeof(float));
+    oom |= x->ws == NULL;
+    if (!oom) {
+        memset(x->ws, 0, x->ws_elems * sizeof(float));
+    }
+    return oom ? -1 : 0;
+}
+
+static void opt_free(opt_ctx_t *x)
+{
+    for (size_t i = 0; i < x->nmat; i++) {
+        opt_mat_t *a = &x->mat[i];
+        if (!a->gs_borrowed) {
+            free(a->gs);
+        }
+        free(a->dws);
+        free(a->fg);
+        free(a->fw);
+        free(a->fm);
+        free(a->ow);
+        free(a->om);
+        free(a->og);
+        free(a->dg);
+        free(a->dw);
+        free(a->dm);
+    }
+    free(x->mat);
+    free(x->req);
+    free(x->ws);
+    memset(x, 0, sizeof(*x));
 }
 
 typedef int (*opt_fn)(opt_ctx_t *, double *, double *);
@@ -1469,58 +1586,9 @@ static int opt_run(const perf_opts_t *o, void *state)
         return 1;
     }
     opt_ctx_t x;
-    memset(&x, 0, sizeof(x));
-    x.hp.lr = (float)m->hp.lr;
-    x.hp.momentum = (float)m->hp.momentum;
-    x.hp.weight_decay = (float)m->hp.weight_decay;
-    x.hp.nesterov = m->hp.nesterov;
-    x.hp.ns_steps = m->hp.ns_steps;
-    x.hp.scale = m->hp.scale;
-    x.mat = calloc(plan->nshards, sizeof(*x.mat));
-    x.req = calloc(plan->nshards + 1, sizeof(*x.req));
-    size_t maxmk = 0;
-    double muon_bytes = 0;
-    int oom = x.mat == NULL || x.req == NULL;
-    for (size_t s = 0; s < plan->nshards && !oom; s++) {
-        const mfsdp_shard_t *sh = &plan->shards[s];
-        if (sh->role != MFSDP_ROLE_MUON) {
-            continue;
-        }
-        opt_mat_t *a = &x.mat[x.nmat];
-        a->p = &m->groups[sh->group].params[sh->param];
-        a->m = sh->rows;
-        a->k = sh->cols;
-        a->c = (a->m + g_world - 1) / g_world;
-        a->owner = sh->owner;
-        a->root = (int)(x.nmat % (size_t)g_world);
-        const size_t mk = (size_t)(a->m * a->k), nck = (size_t)(g_world * a->c * a->k);
-        maxmk = mk > maxmk ? mk : maxmk;
-        muon_bytes += 4.0 * (double)mk;
-        const size_t ws = mfsdp_muon_workspace_elems(a->m, a->k);
-        x.ws_elems = ws > x.ws_elems ? ws : x.ws_elems;
-        a->gs = malloc((size_t)(a->c * a->k) * sizeof(float));
-        a->dws = malloc((size_t)(a->c * a->k) * sizeof(float));
-        a->fg = malloc(nck * sizeof(float));
-        a->fw = malloc(nck * sizeof(float));
-        a->fm = malloc(nck * sizeof(float));
-        oom |= !a->gs || !a->dws || !a->fg || !a->fw || !a->fm;
-        if (a->owner == g_rank) {
-            a->ow = malloc(mk * sizeof(float));
-            a->om = malloc(mk * sizeof(float));
-            a->og = malloc(mk * sizeof(float));
-            oom |= !a->ow || !a->om || !a->og;
-        }
-        if (a->root == g_rank) {
-            a->dg = malloc(nck * sizeof(float));
-            a->dw = calloc(nck, sizeof(float));
-            a->dm = malloc(nck * sizeof(float));
-            oom |= !a->dg || !a->dw || !a->dm;
-        }
-        x.nmat++;
-    }
-    float *tmp = malloc((maxmk ? maxmk : 1) * sizeof(float));
-    x.ws = malloc((x.ws_elems ? x.ws_elems : 1) * sizeof(float));
-    oom |= tmp == NULL || x.ws == NULL;
+    int oom = opt_build(&x, m, plan, 1, 0) != 0;
+    float *tmp = malloc((x.maxmk ? x.maxmk : 1) * sizeof(float));
+    oom |= tmp == NULL;
     int all_ok = !oom, ok = !oom;
     MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
     int rc = 0;
@@ -1532,7 +1600,6 @@ static int opt_run(const perf_opts_t *o, void *state)
         rc = 1;
         goto done;
     }
-    memset(x.ws, 0, x.ws_elems * sizeof(float));
     for (size_t i = 0; i < x.nmat; i++) {
         opt_init_mat(&x.mat[i], i, tmp);
     }
@@ -1585,7 +1652,7 @@ static int opt_run(const perf_opts_t *o, void *state)
                 "# mfsdp-perf optstep: %s, %zu Muon matrices (%.1f MB fp32), %d ranks, "
                 "%d NS steps, %d timed run(s) (median of the slowest rank; order rotated), "
                 "%d warm-up, check %d\n",
-                st->manifest, x.nmat, muon_bytes * 1e-6, g_world, x.hp.ns_steps, o->iters,
+                st->manifest, x.nmat, x.muon_bytes * 1e-6, g_world, m->hp.ns_steps, o->iters,
                 o->warmup, o->check);
         fprintf(hdr,
                 "# mfsdp: owners (planner, max NS %.2f GFLOP/rank, lower bound %.2f) step "
@@ -1619,23 +1686,7 @@ static int opt_run(const perf_opts_t *o, void *state)
         rc = 1;
     }
 done:
-    for (size_t i = 0; i < x.nmat; i++) {
-        opt_mat_t *a = &x.mat[i];
-        free(a->gs);
-        free(a->dws);
-        free(a->fg);
-        free(a->fw);
-        free(a->fm);
-        free(a->ow);
-        free(a->om);
-        free(a->og);
-        free(a->dg);
-        free(a->dw);
-        free(a->dm);
-    }
-    free(x.mat);
-    free(x.req);
-    free(x.ws);
+    opt_free(&x);
     free(tmp);
     mfsdp_plan_destroy(plan);
     mfsdp_manifest_free(m);
