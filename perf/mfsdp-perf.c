@@ -2027,10 +2027,10 @@ static const mfsdp_param_desc_t *ts_param(const ts_ctx_t *t, const mfsdp_shard_t
     return &t->m->groups[sh->group].params[sh->param];
 }
 
-/* This rank's real rows of a shard. */
-static int64_t ts_my_rows(const mfsdp_shard_t *sh)
+/* Rank r's real rows of a shard (the rest of its c rows are padding). */
+static int64_t ts_rows(const mfsdp_shard_t *sh, int r)
 {
-    const int64_t nrows = sh->rows - g_rank * sh->fsdp_c;
+    const int64_t nrows = sh->rows - r * sh->fsdp_c;
     return nrows < 0 ? 0 : (nrows > sh->fsdp_c ? sh->fsdp_c : nrows);
 }
 
@@ -2038,8 +2038,7 @@ static int64_t ts_my_rows(const mfsdp_shard_t *sh)
 static void ts_copy_out(const ts_ctx_t *t, size_t g, const mfsdp_shard_t *sh, float *dst)
 {
     for (int r = 0; r < g_world; r++) {
-        int64_t nrows = sh->rows - r * sh->fsdp_c;
-        nrows = nrows < 0 ? 0 : (nrows > sh->fsdp_c ? sh->fsdp_c : nrows);
+        const int64_t nrows = ts_rows(sh, r);
         memcpy(dst + (size_t)(r * sh->fsdp_c * sh->cols),
                t->full + (size_t)r * t->g[g].S + (size_t)sh->fsdp_o,
                (size_t)(nrows * sh->cols) * sizeof(float));
@@ -2050,8 +2049,7 @@ static void ts_copy_out(const ts_ctx_t *t, size_t g, const mfsdp_shard_t *sh, fl
 static void ts_copy_in(ts_ctx_t *t, size_t g, const mfsdp_shard_t *sh, const float *src)
 {
     for (int r = 0; r < g_world; r++) {
-        int64_t nrows = sh->rows - r * sh->fsdp_c;
-        nrows = nrows < 0 ? 0 : (nrows > sh->fsdp_c ? sh->fsdp_c : nrows);
+        const int64_t nrows = ts_rows(sh, r);
         float *dst = t->rsin + (size_t)r * t->g[g].S + (size_t)sh->fsdp_o;
         memcpy(dst, src + (size_t)(r * sh->fsdp_c * sh->cols),
                (size_t)(nrows * sh->cols) * sizeof(float));
@@ -2150,7 +2148,7 @@ static int ts_adamw(ts_ctx_t *t, int sys, int muon_too)
                 continue;
             }
             const size_t o = (size_t)sh->fsdp_o;
-            const size_t n = (size_t)(ts_my_rows(sh) * sh->cols);
+            const size_t n = (size_t)(ts_rows(sh, g_rank) * sh->cols);
             const mfsdp_status_t st =
                 n == 0 ? MFSDP_OK
                        : mfsdp_cpu_adamw_update(gr->w[sys] + o, gr->am[sys] + o, gr->av[sys] + o,
@@ -2245,7 +2243,7 @@ static void ts_init_weights(ts_ctx_t *t, float *tmp)
             const mfsdp_shard_t *sh = ts_shard(t, g, i);
             opt_fill(tmp, (size_t)sh->numel, 0x7000u + gr->first + i, 0.02f);
             memcpy(gr->w0 + sh->fsdp_o, tmp + (size_t)(g_rank * sh->fsdp_c * sh->cols),
-                   (size_t)(ts_my_rows(sh) * sh->cols) * sizeof(float));
+                   (size_t)(ts_rows(sh, g_rank) * sh->cols) * sizeof(float));
         }
         for (int s = 0; s < 3; s++) {
             memcpy(gr->w[s], gr->w0, gr->S * sizeof(float));
@@ -2283,7 +2281,7 @@ static long ts_check(ts_ctx_t *t, float *tmp)
             }
             MPI_Bcast(tmp, (int)sh->numel, MPI_FLOAT, v.owner, MPI_COMM_WORLD);
             const size_t off = (size_t)(g_rank * sh->fsdp_c * sh->cols);
-            const size_t n = (size_t)(ts_my_rows(sh) * sh->cols);
+            const size_t n = (size_t)(ts_rows(sh, g_rank) * sh->cols);
             if (corrupt && sh->role == MFSDP_ROLE_MUON && n > 0) {
                 tmp[off] += 1.0f; /* test-only (MFSDP_PERF_CORRUPT=1): one element, once */
                 corrupt = 0;
