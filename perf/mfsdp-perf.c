@@ -1942,7 +1942,6 @@ static int ckpt_run(const perf_opts_t *o, void *state)
     }
     return rc;
 }
-#endif /* MFSDP_HAVE_MPI */
 
 /* ---------------------------------------------------------------------------------------
  * trainstep: one FSDP training step of a manifest's shapes (gather, forward GEMMs,
@@ -2599,6 +2598,7 @@ done:
     mfsdp_manifest_free(m);
     return rc;
 }
+#endif /* MFSDP_HAVE_MPI */
 
 /* ---------------------------------------------------------------------------------------
  * Subcommand table and driver
