@@ -142,7 +142,8 @@ def plot_busbw(rows, out):
              "ranks, out-of-place (median over runs; busbw = algbw (n-1)/n)\" font ',13'\n"
              "set logscale x 2\nset grid xtics ytics mxtics lc rgb '#cccccc'\n"
              "set xlabel 'buffer size (whole gathered buffer, bytes)'\n"
-             "set format x '%.0b%BB'\nset ylabel 'busbw (GB/s)'\nset yrange [0:*]\n"
+             "set format x '%.0b%BB'\nset autoscale xfix\nset offsets graph 0.04, graph 0.04\n"
+             "set ylabel 'busbw (GB/s)'\nset yrange [0:*]\n"
              "set key outside below center horizontal box\nset bmargin 7\n")
         for sub in subs:
             systems = sorted((k[2] for k in data if k[0] == n and k[1] == sub),
