@@ -134,12 +134,14 @@ def plot_busbw(rows, out):
     written = []
     for n in sorted({k[0] for k in data}):
         subs = [s for s in TITLES if any(k[0] == n and k[1] == s for k in data)]
+        types = "/".join(sorted({r["type"] for r in rows if r["ranks"] == n}))
         png = os.path.join(out, f"busbw-np{n}.png")
         s = (f"set terminal pngcairo noenhanced size {760 * len(subs)},600 "
              "font 'DejaVu Sans,11'\n"
              f"set output '{png}'\n"
              f"set multiplot layout 1,{len(subs)} title \"mfsdp-perf: bus bandwidth, {n} "
-             "ranks, out-of-place (median over runs; busbw = algbw (n-1)/n)\" font ',13'\n"
+             f"ranks, {types}, out-of-place (median over runs; busbw = algbw (n-1)/n)\" "
+             "font ',13'\n"
              "set logscale x 2\nset grid xtics ytics mxtics lc rgb '#cccccc'\n"
              "set xlabel 'buffer size (whole gathered buffer, bytes)'\n"
              "set format x '%.0b%BB'\nset autoscale xfix\nset offsets graph 0.04, graph 0.04\n"
