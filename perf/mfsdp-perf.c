@@ -1274,10 +1274,14 @@ static int opt_parse_opt(void *state, int opt, const char *arg)
 /* One Muon matrix: m x k, FSDP shard of c rows per rank (zero padding rows). */
 typedef struct opt_mat {
     const mfsdp_param_desc_t *p;
-    int64_t m, k, c;
-    int owner; /* mfsdp owner (the plan) */
-    int root;  /* DMuon root: round-robin over matrices */
-    float *gs; /* this rank's gradient shard (c k), as after FSDP's reduce-scatter */
+    size_t group;       /* manifest group of the matrix */
+    int64_t m, k, c;    /* c: FSDP rows per rank */
+    int64_t fsdp_o;     /* element offset of its shard in the group's per-rank block */
+    mfsdp_muon_hp_t hp; /* the group's Muon hyper-parameters (lr_scale, weight_decay) */
+    int owner;          /* mfsdp owner (the plan) */
+    int root;           /* DMuon root: round-robin over matrices */
+    int gs_borrowed;    /* 1: gs points into a caller's buffer (trainstep) */
+    float *gs;          /* this rank's gradient shard (c k), as after FSDP's reduce-scatter */
     /* mfsdp (owner only): full W, M, G */
     float *ow, *om, *og;
     /* FSDP2-Muon: gathered G (n c k), full W, M (n c k, padding rows unused) */
@@ -1289,10 +1293,11 @@ typedef struct opt_mat {
 typedef struct opt_ctx {
     size_t nmat;
     opt_mat_t *mat;
-    mfsdp_muon_hp_t hp;
     float *ws;
     size_t ws_elems;
     MPI_Request *req;
+    size_t maxmk;      /* elements of the largest matrix */
+    double muon_bytes; /* fp32 bytes of all Muon matrices */
 } opt_ctx_t;
 
 static void opt_fill(float *x, size_t n, uint64_t seed, float scale)
@@ -1303,13 +1308,21 @@ static void opt_fill(float *x, size_t n, uint64_t seed, float scale)
     }
 }
 
+/* This rank's real rows of matrix a: the first one and how many. */
+static int64_t opt_my_rows(const opt_mat_t *a, int64_t *first_p)
+{
+    const int64_t first = g_rank * a->c;
+    const int64_t nrows = a->m - first;
+    *first_p = first;
+    return nrows < 0 ? 0 : (nrows > a->c ? a->c : nrows);
+}
+
 /* Initial state of matrix i: W ~ 0.02 N, M ~ 0.01 N, G ~ N (the same on every system). */
 static void opt_init_mat(opt_mat_t *a, size_t i, float *tmp)
 {
     const size_t mk = (size_t)(a->m * a->k), ck = (size_t)(a->c * a->k);
-    const int64_t first = g_rank * a->c;
-    int64_t nrows = a->m - first;
-    nrows = nrows < 0 ? 0 : (nrows > a->c ? a->c : nrows);
+    int64_t first;
+    const int64_t nrows = opt_my_rows(a, &first);
     opt_fill(tmp, mk, 0x6000u + i * 3, 1.0f);
     memset(a->gs, 0, ck * sizeof(float));
     if (nrows > 0) {
@@ -1340,7 +1353,7 @@ static int opt_update(opt_ctx_t *x, opt_mat_t *a, float *w, float *mom, const fl
 {
     const mfsdp_status_t st =
         mfsdp_cpu_muon_update(w, mom, g, NULL, MFSDP_FLOAT32, a->m, a->k, a->p->nsplit, a->p->split,
-                              &x->hp, x->ws, x->ws_elems);
+                              &a->hp, x->ws, x->ws_elems);
     if (st != MFSDP_OK) {
         fprintf(stderr, "mfsdp-perf: rank %d: muon update %s: %s\n", g_rank, a->p->name,
                 mfsdp_status_string(st));
@@ -1419,6 +1432,29 @@ static int opt_run_dmuon(opt_ctx_t *x, double *comm, double *comp)
     return 0;
 }
 
+/* Elements of x that differ from ref beyond the harness's fp32 tolerance
+ * |x - ref| <= 1e-5 (1 + |ref|) (the systems reduce gradients in different orders), or
+ * whose reference is not finite. */
+static long count_mismatch(const float *x, const float *ref, size_t n)
+{
+    long wrong = 0;
+    for (size_t e = 0; e < n; e++) {
+        const float tol = 1e-5f * (1.0f + fabsf(ref[e]));
+        wrong += !isfinite(ref[e]) || !(fabsf(x[e] - ref[e]) <= tol);
+    }
+    return wrong;
+}
+
+/* Mismatches of this rank's rows of matrix a between the reference ref (the whole m x k
+ * matrix, mfsdp's result) and the two baselines' results: FSDP2-Muon's full copy fw and
+ * DMuon's returned rows dws. */
+static long opt_cmp_rows(const opt_mat_t *a, const float *ref)
+{
+    int64_t first;
+    const size_t n = (size_t)(opt_my_rows(a, &first) * a->k), off = (size_t)(first * a->k);
+    return count_mismatch(a->fw + off, ref + off, n) + count_mismatch(a->dws, ref + off, n);
+}
+
 /* After one step from the initial state: this rank's rows of every matrix agree across the
  * three placements (mfsdp's owner broadcasts its result, untimed). */
 static long opt_check(opt_ctx_t *x, float *tmp)
@@ -1435,17 +1471,110 @@ static long opt_check(opt_ctx_t *x, float *tmp)
         if (corrupt && i == 0) {
             tmp[(size_t)(g_rank * a->c * a->k)] += 1.0f;
         }
-        const int64_t first = g_rank * a->c;
-        int64_t nrows = a->m - first;
-        nrows = nrows < 0 ? 0 : (nrows > a->c ? a->c : nrows);
-        for (size_t e = 0; e < (size_t)(nrows * a->k); e++) {
-            const float ref = tmp[(size_t)(first * a->k) + e];
-            const float f = a->fw[(size_t)(first * a->k) + e], d = a->dws[e];
-            const float tol = 1e-5f * (1.0f + fabsf(ref));
-            wrong += !isfinite(ref) || !(fabsf(f - ref) <= tol) || !(fabsf(d - ref) <= tol);
-        }
+        wrong += opt_cmp_rows(a, tmp);
     }
     return wrong;
+}
+
+/* The Muon hyper-parameters of group g as the runtime's owner step derives them
+ * (runtime/step.c): the manifest's, lr times the group's lr_scale, the group's weight decay
+ * when it sets one; the schedule's factor is 1 (the harness sets it so on its contexts). */
+static void opt_group_hp(const mfsdp_manifest_t *m, size_t g, mfsdp_muon_hp_t *hp)
+{
+    const mfsdp_group_desc_t *gd = &m->groups[g];
+    hp->lr = (float)(m->hp.lr * gd->lr_scale);
+    hp->momentum = (float)m->hp.momentum;
+    hp->weight_decay = (float)(gd->has_weight_decay ? gd->weight_decay : m->hp.weight_decay);
+    hp->nesterov = m->hp.nesterov;
+    hp->ns_steps = m->hp.ns_steps;
+    hp->scale = m->hp.scale;
+}
+
+/* The Muon matrices of a plan with the buffers of the two baselines (and, with owner_bufs,
+ * mfsdp's raw owner buffers ow, om, og); with borrow_gs the gradient shards gs are left
+ * NULL for the caller to point into its reduce-scatter output. 0, or -1 out of memory
+ * (whatever was allocated is released by opt_free()). */
+static int opt_build(opt_ctx_t *x, const mfsdp_manifest_t *m, const mfsdp_plan_t *plan,
+                     int owner_bufs, int borrow_gs)
+{
+    memset(x, 0, sizeof(*x));
+    x->mat = calloc(plan->nshards, sizeof(*x->mat));
+    x->req = calloc(plan->nshards + 1, sizeof(*x->req));
+    int oom = x->mat == NULL || x->req == NULL;
+    for (size_t s = 0; s < plan->nshards && !oom; s++) {
+        const mfsdp_shard_t *sh = &plan->shards[s];
+        if (sh->role != MFSDP_ROLE_MUON) {
+            continue;
+        }
+        opt_mat_t *a = &x->mat[x->nmat];
+        a->p = &m->groups[sh->group].params[sh->param];
+        a->group = sh->group;
+        a->m = sh->rows;
+        a->k = sh->cols;
+        a->c = (a->m + g_world - 1) / g_world;
+        a->fsdp_o = sh->fsdp_o;
+        opt_group_hp(m, sh->group, &a->hp);
+        a->owner = sh->owner;
+        a->root = (int)(x->nmat % (size_t)g_world);
+        a->gs_borrowed = borrow_gs;
+        const size_t mk = (size_t)(a->m * a->k), nck = (size_t)(g_world * a->c * a->k);
+        x->maxmk = mk > x->maxmk ? mk : x->maxmk;
+        x->muon_bytes += 4.0 * (double)mk;
+        const size_t ws = mfsdp_muon_workspace_elems(a->m, a->k);
+        x->ws_elems = ws > x->ws_elems ? ws : x->ws_elems;
+        x->nmat++;
+        if (!borrow_gs) {
+            a->gs = malloc((size_t)(a->c * a->k) * sizeof(float));
+            oom |= !a->gs;
+        }
+        a->dws = malloc((size_t)(a->c * a->k) * sizeof(float));
+        a->fg = malloc(nck * sizeof(float));
+        a->fw = calloc(nck, sizeof(float));
+        a->fm = calloc(nck, sizeof(float));
+        oom |= !a->dws || !a->fg || !a->fw || !a->fm;
+        if (owner_bufs && a->owner == g_rank) {
+            a->ow = malloc(mk * sizeof(float));
+            a->om = malloc(mk * sizeof(float));
+            a->og = malloc(mk * sizeof(float));
+            oom |= !a->ow || !a->om || !a->og;
+        }
+        if (a->root == g_rank) {
+            a->dg = malloc(nck * sizeof(float));
+            a->dw = calloc(nck, sizeof(float));
+            a->dm = calloc(nck, sizeof(float));
+            oom |= !a->dg || !a->dw || !a->dm;
+        }
+    }
+    x->ws = malloc((x->ws_elems ? x->ws_elems : 1) * sizeof(float));
+    oom |= x->ws == NULL;
+    if (!oom) {
+        memset(x->ws, 0, x->ws_elems * sizeof(float));
+    }
+    return oom ? -1 : 0;
+}
+
+static void opt_free(opt_ctx_t *x)
+{
+    for (size_t i = 0; i < x->nmat; i++) {
+        opt_mat_t *a = &x->mat[i];
+        if (!a->gs_borrowed) {
+            free(a->gs);
+        }
+        free(a->dws);
+        free(a->fg);
+        free(a->fw);
+        free(a->fm);
+        free(a->ow);
+        free(a->om);
+        free(a->og);
+        free(a->dg);
+        free(a->dw);
+        free(a->dm);
+    }
+    free(x->mat);
+    free(x->req);
+    free(x->ws);
+    memset(x, 0, sizeof(*x));
 }
 
 typedef int (*opt_fn)(opt_ctx_t *, double *, double *);
@@ -1469,58 +1598,9 @@ static int opt_run(const perf_opts_t *o, void *state)
         return 1;
     }
     opt_ctx_t x;
-    memset(&x, 0, sizeof(x));
-    x.hp.lr = (float)m->hp.lr;
-    x.hp.momentum = (float)m->hp.momentum;
-    x.hp.weight_decay = (float)m->hp.weight_decay;
-    x.hp.nesterov = m->hp.nesterov;
-    x.hp.ns_steps = m->hp.ns_steps;
-    x.hp.scale = m->hp.scale;
-    x.mat = calloc(plan->nshards, sizeof(*x.mat));
-    x.req = calloc(plan->nshards + 1, sizeof(*x.req));
-    size_t maxmk = 0;
-    double muon_bytes = 0;
-    int oom = x.mat == NULL || x.req == NULL;
-    for (size_t s = 0; s < plan->nshards && !oom; s++) {
-        const mfsdp_shard_t *sh = &plan->shards[s];
-        if (sh->role != MFSDP_ROLE_MUON) {
-            continue;
-        }
-        opt_mat_t *a = &x.mat[x.nmat];
-        a->p = &m->groups[sh->group].params[sh->param];
-        a->m = sh->rows;
-        a->k = sh->cols;
-        a->c = (a->m + g_world - 1) / g_world;
-        a->owner = sh->owner;
-        a->root = (int)(x.nmat % (size_t)g_world);
-        const size_t mk = (size_t)(a->m * a->k), nck = (size_t)(g_world * a->c * a->k);
-        maxmk = mk > maxmk ? mk : maxmk;
-        muon_bytes += 4.0 * (double)mk;
-        const size_t ws = mfsdp_muon_workspace_elems(a->m, a->k);
-        x.ws_elems = ws > x.ws_elems ? ws : x.ws_elems;
-        a->gs = malloc((size_t)(a->c * a->k) * sizeof(float));
-        a->dws = malloc((size_t)(a->c * a->k) * sizeof(float));
-        a->fg = malloc(nck * sizeof(float));
-        a->fw = malloc(nck * sizeof(float));
-        a->fm = malloc(nck * sizeof(float));
-        oom |= !a->gs || !a->dws || !a->fg || !a->fw || !a->fm;
-        if (a->owner == g_rank) {
-            a->ow = malloc(mk * sizeof(float));
-            a->om = malloc(mk * sizeof(float));
-            a->og = malloc(mk * sizeof(float));
-            oom |= !a->ow || !a->om || !a->og;
-        }
-        if (a->root == g_rank) {
-            a->dg = malloc(nck * sizeof(float));
-            a->dw = calloc(nck, sizeof(float));
-            a->dm = malloc(nck * sizeof(float));
-            oom |= !a->dg || !a->dw || !a->dm;
-        }
-        x.nmat++;
-    }
-    float *tmp = malloc((maxmk ? maxmk : 1) * sizeof(float));
-    x.ws = malloc((x.ws_elems ? x.ws_elems : 1) * sizeof(float));
-    oom |= tmp == NULL || x.ws == NULL;
+    int oom = opt_build(&x, m, plan, 1, 0) != 0;
+    float *tmp = malloc((x.maxmk ? x.maxmk : 1) * sizeof(float));
+    oom |= tmp == NULL;
     int all_ok = !oom, ok = !oom;
     MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
     int rc = 0;
@@ -1532,7 +1612,6 @@ static int opt_run(const perf_opts_t *o, void *state)
         rc = 1;
         goto done;
     }
-    memset(x.ws, 0, x.ws_elems * sizeof(float));
     for (size_t i = 0; i < x.nmat; i++) {
         opt_init_mat(&x.mat[i], i, tmp);
     }
@@ -1585,7 +1664,7 @@ static int opt_run(const perf_opts_t *o, void *state)
                 "# mfsdp-perf optstep: %s, %zu Muon matrices (%.1f MB fp32), %d ranks, "
                 "%d NS steps, %d timed run(s) (median of the slowest rank; order rotated), "
                 "%d warm-up, check %d\n",
-                st->manifest, x.nmat, muon_bytes * 1e-6, g_world, x.hp.ns_steps, o->iters,
+                st->manifest, x.nmat, x.muon_bytes * 1e-6, g_world, m->hp.ns_steps, o->iters,
                 o->warmup, o->check);
         fprintf(hdr,
                 "# mfsdp: owners (planner, max NS %.2f GFLOP/rank, lower bound %.2f) step "
@@ -1619,23 +1698,7 @@ static int opt_run(const perf_opts_t *o, void *state)
         rc = 1;
     }
 done:
-    for (size_t i = 0; i < x.nmat; i++) {
-        opt_mat_t *a = &x.mat[i];
-        free(a->gs);
-        free(a->dws);
-        free(a->fg);
-        free(a->fw);
-        free(a->fm);
-        free(a->ow);
-        free(a->om);
-        free(a->og);
-        free(a->dg);
-        free(a->dw);
-        free(a->dm);
-    }
-    free(x.mat);
-    free(x.req);
-    free(x.ws);
+    opt_free(&x);
     free(tmp);
     mfsdp_plan_destroy(plan);
     mfsdp_manifest_free(m);
@@ -1879,6 +1942,668 @@ static int ckpt_run(const perf_opts_t *o, void *state)
     }
     return rc;
 }
+
+/* ---------------------------------------------------------------------------------------
+ * trainstep: one FSDP training step of a manifest's shapes (gather, forward GEMMs,
+ * re-gather, backward GEMMs, reduce, optimizer step), four systems side by side
+ */
+
+typedef struct ts_state {
+    const char *manifest;
+    int tokens;
+} ts_state_t;
+
+static const struct option ts_long_opts[] = {
+    {"manifest", required_argument, NULL, 'M'},
+    {"tokens", required_argument, NULL, 'T'},
+    {NULL, 0, NULL, 0},
+};
+
+static void ts_defaults(void *state)
+{
+    ts_state_t *st = state;
+    st->manifest = NULL;
+    st->tokens = 8192;
+}
+
+static int ts_parse_opt(void *state, int opt, const char *arg)
+{
+    ts_state_t *st = state;
+    if (opt == 'M') {
+        st->manifest = arg;
+        return 0;
+    }
+    return opt == 'T' ? parse_int(arg, 1, &st->tokens) : -1;
+}
+
+/* The systems, in table order. The first three keep FSDP's shards of the weights. */
+enum { TS_ADAMW = 0, TS_FSDP2 = 1, TS_DMUON = 2, TS_MFSDP = 3, TS_NSYS = 4 };
+static const char *const ts_names[TS_NSYS] = {"fsdp-adamw", "fsdp2-muon", "dmuon", "mfsdp"};
+
+/* One param group: its shards of the plan and the baselines' FSDP state. With every param
+ * float32 and requiring a gradient, the all-gather and reduce-scatter layouts coincide. */
+typedef struct ts_group {
+    size_t first, nshards; /* plan shards [first, first + nshards) */
+    size_t S;              /* elements of one rank's block */
+    mfsdp_adamw_hp_t ah;   /* the group's AdamW hyper-parameters */
+    float *w[3];           /* the baselines' weight shards (S) */
+    float *am[3], *av[3];  /* their AdamW moments (S; used for AdamW params only) */
+    float *w0;             /* the initial shard: mfsdp's first all-gather takes it */
+    float *rs;             /* the baselines' reduce-scatter output (S): gradient shard */
+} ts_group_t;
+
+typedef struct ts_ctx {
+    const mfsdp_manifest_t *m;
+    const mfsdp_plan_t *plan; /* the mfsdp context's */
+    mfsdp_ctx_h ctx;
+    ts_group_t *g;
+    opt_ctx_t x;               /* the Muon baselines' matrices (optstep's code) */
+    size_t T;                  /* tokens per rank */
+    size_t width;              /* activation columns: the widest dimension of any param */
+    float *full;               /* the gathered group: n S_max */
+    float *rsin;               /* the reduce-scatter input: n S_max */
+    float *rsout;              /* mfsdp's reduce recvbuf (S_max): zeros, owner-managed */
+    float *wc;                 /* one weight, contiguous (FSDP2's copy-out): max numel */
+    float *dwc;                /* its gradient: max numel */
+    float *xa, *dy, *ya, *dxa; /* activations T x width: input, output grad, output, input grad */
+    int64_t nsteps[3];         /* optimizer steps of each baseline (AdamW bias correction) */
+} ts_ctx_t;
+
+typedef struct ts_times {
+    double comm;     /* all-gathers and reduces of forward and backward */
+    double gather;   /* of which all-gathers */
+    double compute;  /* GEMMs, copy-out/copy-in, norm gradients */
+    double opt;      /* the optimizer step, its collectives included */
+    double opt_comm; /* of which collectives */
+} ts_times_t;
+
+static const mfsdp_shard_t *ts_shard(const ts_ctx_t *t, size_t g, size_t i)
+{
+    return &t->plan->shards[t->g[g].first + i];
+}
+
+static const mfsdp_param_desc_t *ts_param(const ts_ctx_t *t, const mfsdp_shard_t *sh)
+{
+    return &t->m->groups[sh->group].params[sh->param];
+}
+
+/* Rank r's real rows of a shard (the rest of its c rows are padding). */
+static int64_t ts_rows(const mfsdp_shard_t *sh, int r)
+{
+    const int64_t nrows = sh->rows - r * sh->fsdp_c;
+    return nrows < 0 ? 0 : (nrows > sh->fsdp_c ? sh->fsdp_c : nrows);
+}
+
+/* FSDP2's copy-out: the rank-major gathered group -> the param's contiguous rows. */
+static void ts_copy_out(const ts_ctx_t *t, size_t g, const mfsdp_shard_t *sh, float *dst)
+{
+    for (int r = 0; r < g_world; r++) {
+        const int64_t nrows = ts_rows(sh, r);
+        memcpy(dst + (size_t)(r * sh->fsdp_c * sh->cols),
+               t->full + (size_t)r * t->g[g].S + (size_t)sh->fsdp_o,
+               (size_t)(nrows * sh->cols) * sizeof(float));
+    }
+}
+
+/* FSDP2's copy-in: a param's contiguous gradient -> the reduce-scatter input, padding zero. */
+static void ts_copy_in(ts_ctx_t *t, size_t g, const mfsdp_shard_t *sh, const float *src)
+{
+    for (int r = 0; r < g_world; r++) {
+        const int64_t nrows = ts_rows(sh, r);
+        float *dst = t->rsin + (size_t)r * t->g[g].S + (size_t)sh->fsdp_o;
+        memcpy(dst, src + (size_t)(r * sh->fsdp_c * sh->cols),
+               (size_t)(nrows * sh->cols) * sizeof(float));
+        memset(dst + nrows * sh->cols, 0,
+               (size_t)((sh->fsdp_c - nrows) * sh->cols) * sizeof(float));
+    }
+}
+
+/* All-gather of group g: MPI_Allgather of the baseline's shard, or mfsdp's owner-broadcast. */
+static int ts_gather(ts_ctx_t *t, int sys, size_t g)
+{
+    const size_t S = t->g[g].S;
+    if (sys == TS_MFSDP) {
+        const mfsdp_status_t st =
+            mfsdp_ctx_allgather(t->ctx, g, t->g[g].w0, t->full, S, MFSDP_FLOAT32);
+        if (st != MFSDP_OK) {
+            fprintf(stderr, "mfsdp-perf: rank %d: all-gather of group %zu: %s\n", g_rank, g,
+                    mfsdp_status_string(st));
+            return -1;
+        }
+        return 0;
+    }
+    return MPI_Allgather(t->g[g].w[sys], (int)S, MPI_FLOAT, t->full, (int)S, MPI_FLOAT,
+                         MPI_COMM_WORLD) == MPI_SUCCESS
+               ? 0
+               : -1;
+}
+
+/* Reduce of group g's gradients (sum): MPI_Reduce_scatter_block, or reduce-to-owner. */
+static int ts_reduce(ts_ctx_t *t, int sys, size_t g)
+{
+    const size_t S = t->g[g].S;
+    if (sys == TS_MFSDP) {
+        const mfsdp_status_t st =
+            mfsdp_ctx_reduce(t->ctx, g, t->rsin, t->rsout, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0);
+        if (st != MFSDP_OK) {
+            fprintf(stderr, "mfsdp-perf: rank %d: reduce of group %zu: %s\n", g_rank, g,
+                    mfsdp_status_string(st));
+            return -1;
+        }
+        return 0;
+    }
+    return MPI_Reduce_scatter_block(t->rsin, t->g[g].rs, (int)S, MPI_FLOAT, MPI_SUM,
+                                    MPI_COMM_WORLD) == MPI_SUCCESS
+               ? 0
+               : -1;
+}
+
+/* Forward of group g: Y = X W^T per weight W (out x in) on X (T x in). */
+static void ts_forward(ts_ctx_t *t, size_t g)
+{
+    for (size_t i = 0; i < t->g[g].nshards; i++) {
+        const mfsdp_shard_t *sh = ts_shard(t, g, i);
+        if (ts_param(t, sh)->ndim < 2) {
+            continue; /* norms: element-wise, no GEMM */
+        }
+        const size_t out = (size_t)sh->rows, in = (size_t)sh->cols;
+        ts_copy_out(t, g, sh, t->wc);
+        sgemm_rm(0, 1, t->T, out, in, t->xa, in, t->wc, in, t->ya, out);
+    }
+}
+
+/* Backward of group g, params in reverse order: dX = dY W, dW = dY^T X per weight; a norm's
+ * gradient sum_t dY[t, j] X[t, j]; each gradient copied into the reduce-scatter input. */
+static void ts_backward(ts_ctx_t *t, size_t g)
+{
+    for (size_t i = t->g[g].nshards; i-- > 0;) {
+        const mfsdp_shard_t *sh = ts_shard(t, g, i);
+        const size_t out = (size_t)sh->rows, in = (size_t)sh->cols;
+        if (ts_param(t, sh)->ndim < 2) {
+            for (size_t j = 0; j < out; j++) {
+                double sum = 0.0;
+                for (size_t r = 0; r < t->T; r++) {
+                    sum += (double)t->dy[r * out + j] * t->xa[r * out + j];
+                }
+                t->dwc[j] = (float)sum;
+            }
+        } else {
+            ts_copy_out(t, g, sh, t->wc);
+            sgemm_rm(0, 0, t->T, in, out, t->dy, out, t->wc, in, t->dxa, in);
+            sgemm_rm(1, 0, out, in, t->T, t->dy, out, t->xa, in, t->dwc, in);
+        }
+        ts_copy_in(t, g, sh, t->dwc);
+    }
+}
+
+/* AdamW on the baseline's shards of every param of the given role (real rows only). */
+static int ts_adamw(ts_ctx_t *t, int sys, int muon_too)
+{
+    const int64_t step = ++t->nsteps[sys];
+    for (size_t g = 0; g < t->m->ngroups; g++) {
+        ts_group_t *gr = &t->g[g];
+        for (size_t i = 0; i < gr->nshards; i++) {
+            const mfsdp_shard_t *sh = ts_shard(t, g, i);
+            if (sh->role == MFSDP_ROLE_MUON && !muon_too) {
+                continue;
+            }
+            const size_t o = (size_t)sh->fsdp_o;
+            const size_t n = (size_t)(ts_rows(sh, g_rank) * sh->cols);
+            const mfsdp_status_t st =
+                n == 0 ? MFSDP_OK
+                       : mfsdp_cpu_adamw_update(gr->w[sys] + o, gr->am[sys] + o, gr->av[sys] + o,
+                                                gr->rs + o, NULL, MFSDP_FLOAT32, n, step, &gr->ah);
+            if (st != MFSDP_OK) {
+                fprintf(stderr, "mfsdp-perf: rank %d: adamw: %s\n", g_rank,
+                        mfsdp_status_string(st));
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* The optimizer step of one system. The Muon baselines are optstep's (opt_run_fsdp2,
+ * opt_run_dmuon) on the gradient shards just reduced; their results' rows go back into the
+ * FSDP weight shards; AdamW params are stepped on the shards. */
+static int ts_optimizer(ts_ctx_t *t, int sys, double *comm)
+{
+    *comm = 0.0;
+    if (sys == TS_MFSDP) {
+        const mfsdp_status_t st = mfsdp_ctx_step(t->ctx);
+        if (st != MFSDP_OK) {
+            fprintf(stderr, "mfsdp-perf: rank %d: owner step: %s\n", g_rank,
+                    mfsdp_status_string(st));
+            return -1;
+        }
+        return 0;
+    }
+    if (sys == TS_ADAMW) {
+        return ts_adamw(t, sys, 1);
+    }
+    double comp = 0.0;
+    const int bad =
+        sys == TS_FSDP2 ? opt_run_fsdp2(&t->x, comm, &comp) : opt_run_dmuon(&t->x, comm, &comp);
+    if (bad != 0) {
+        return -1;
+    }
+    for (size_t i = 0; i < t->x.nmat; i++) {
+        const opt_mat_t *a = &t->x.mat[i];
+        int64_t first;
+        const size_t n = (size_t)(opt_my_rows(a, &first) * a->k);
+        const float *src = sys == TS_FSDP2 ? a->fw + (size_t)(first * a->k) : a->dws;
+        memcpy(t->g[a->group].w[sys] + a->fsdp_o, src, n * sizeof(float));
+    }
+    return ts_adamw(t, sys, 0);
+}
+
+/* One training step of one system; per-phase times of this rank. */
+static int ts_step(ts_ctx_t *t, int sys, ts_times_t *tm)
+{
+    memset(tm, 0, sizeof(*tm));
+    const size_t ng = t->m->ngroups;
+    for (size_t g = 0; g < ng; g++) {
+        double t0 = now_s();
+        if (ts_gather(t, sys, g) != 0) {
+            return -1;
+        }
+        const double t1 = now_s();
+        ts_forward(t, g);
+        tm->comm += t1 - t0;
+        tm->gather += t1 - t0;
+        tm->compute += now_s() - t1;
+    }
+    for (size_t g = ng; g-- > 0;) {
+        double t0 = now_s();
+        if (ts_gather(t, sys, g) != 0) {
+            return -1;
+        }
+        const double t1 = now_s();
+        ts_backward(t, g);
+        const double t2 = now_s();
+        if (ts_reduce(t, sys, g) != 0) {
+            return -1;
+        }
+        tm->comm += (t1 - t0) + (now_s() - t2);
+        tm->gather += t1 - t0;
+        tm->compute += t2 - t1;
+    }
+    const double t0 = now_s();
+    const int bad = ts_optimizer(t, sys, &tm->opt_comm);
+    tm->opt = now_s() - t0;
+    return bad;
+}
+
+/* Initial weights of every param (0.02 N, seeded by shard index: the same on every rank):
+ * each baseline's shard and mfsdp's first all-gather input; the Muon baselines' full copies. */
+static void ts_init_weights(ts_ctx_t *t, float *tmp)
+{
+    for (size_t g = 0; g < t->m->ngroups; g++) {
+        ts_group_t *gr = &t->g[g];
+        memset(gr->w0, 0, gr->S * sizeof(float));
+        for (size_t i = 0; i < gr->nshards; i++) {
+            const mfsdp_shard_t *sh = ts_shard(t, g, i);
+            opt_fill(tmp, (size_t)sh->numel, 0x7000u + gr->first + i, 0.02f);
+            memcpy(gr->w0 + sh->fsdp_o, tmp + (size_t)(g_rank * sh->fsdp_c * sh->cols),
+                   (size_t)(ts_rows(sh, g_rank) * sh->cols) * sizeof(float));
+        }
+        for (int s = 0; s < 3; s++) {
+            memcpy(gr->w[s], gr->w0, gr->S * sizeof(float));
+        }
+    }
+    for (size_t i = 0; i < t->x.nmat; i++) {
+        opt_mat_t *a = &t->x.mat[i];
+        const size_t shard = t->g[a->group].first + (size_t)(a->p - t->m->groups[a->group].params);
+        opt_fill(tmp, (size_t)(a->m * a->k), 0x7000u + shard, 0.02f);
+        memcpy(a->fw, tmp, (size_t)(a->m * a->k) * sizeof(float));
+        if (a->dw != NULL) {
+            memcpy(a->dw, tmp, (size_t)(a->m * a->k) * sizeof(float));
+        }
+    }
+}
+
+/* After the same number of steps on every system: this rank's rows of every param agree
+ * with mfsdp's owner weights (broadcast from the owner, untimed): the Muon matrices on both
+ * Muon baselines, AdamW params on all three baselines. */
+static long ts_check(ts_ctx_t *t, float *tmp)
+{
+    long wrong = 0;
+    int corrupt = corrupt_requested() && g_rank == 0;
+    for (size_t g = 0; g < t->m->ngroups; g++) {
+        ts_group_t *gr = &t->g[g];
+        for (size_t i = 0; i < gr->nshards; i++) {
+            const mfsdp_shard_t *sh = ts_shard(t, g, i);
+            mfsdp_param_view_t v;
+            if (mfsdp_ctx_get_param(t->ctx, ts_param(t, sh)->name, &v) != MFSDP_OK) {
+                wrong++; /* the same on every rank: none waits in the broadcast */
+                continue;
+            }
+            if (v.owner == g_rank) {
+                memcpy(tmp, v.master, (size_t)sh->numel * sizeof(float));
+            }
+            MPI_Bcast(tmp, (int)sh->numel, MPI_FLOAT, v.owner, MPI_COMM_WORLD);
+            const size_t off = (size_t)(g_rank * sh->fsdp_c * sh->cols);
+            const size_t n = (size_t)(ts_rows(sh, g_rank) * sh->cols);
+            if (corrupt && sh->role == MFSDP_ROLE_MUON && n > 0) {
+                tmp[off] += 1.0f; /* test-only (MFSDP_PERF_CORRUPT=1): one element, once */
+                corrupt = 0;
+            }
+            for (int s = sh->role == MFSDP_ROLE_MUON ? TS_FSDP2 : TS_ADAMW; s <= TS_DMUON; s++) {
+                wrong += count_mismatch(gr->w[s] + sh->fsdp_o, tmp + off, n);
+            }
+        }
+    }
+    return wrong;
+}
+
+/* Rank-identical requirements of the manifest: float32 params (the GEMMs are sgemm) that
+ * all require a gradient, so that the all-gather and reduce-scatter layouts coincide. */
+static int ts_supported(const mfsdp_manifest_t *m, const char *path)
+{
+    for (size_t g = 0; g < m->ngroups; g++) {
+        const mfsdp_group_desc_t *gd = &m->groups[g];
+        const char *why = gd->has_reduce_dtype && gd->reduce_dtype != MFSDP_FLOAT32
+                              ? "a reduce_dtype other than float32"
+                              : NULL;
+        for (size_t i = 0; i < gd->nparams && why == NULL; i++) {
+            if (gd->params[i].dtype != MFSDP_FLOAT32) {
+                why = "a param that is not float32";
+            } else if (!gd->params[i].requires_grad) {
+                why = "a frozen param";
+            }
+        }
+        if (why != NULL) {
+            if (g_rank == 0) {
+                fprintf(stderr,
+                        "mfsdp-perf trainstep: %s: group %s has %s; trainstep needs float32 "
+                        "params that all require a gradient (e.g. examples/models/"
+                        "llama-small.json)\n",
+                        path, gd->name, why);
+            }
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void ts_free(ts_ctx_t *t)
+{
+    if (t->g != NULL) {
+        for (size_t g = 0; g < t->m->ngroups; g++) {
+            for (int s = 0; s < 3; s++) {
+                free(t->g[g].w[s]);
+                free(t->g[g].am[s]);
+                free(t->g[g].av[s]);
+            }
+            free(t->g[g].w0);
+            free(t->g[g].rs);
+        }
+    }
+    free(t->g);
+    opt_free(&t->x);
+    free(t->full);
+    free(t->rsin);
+    free(t->rsout);
+    free(t->wc);
+    free(t->dwc);
+    free(t->xa);
+    free(t->dy);
+    free(t->ya);
+    free(t->dxa);
+    mfsdp_ctx_destroy(&t->ctx);
+}
+
+/* Buffers of every group and of the step, after the context and its plan exist. 0 or -1
+ * (out of memory, or a param the plan did not give one owner). */
+static int ts_alloc(ts_ctx_t *t, size_t *maxnumel_p)
+{
+    const mfsdp_manifest_t *m = t->m;
+    size_t smax = 0, maxnumel = 1, width = 1;
+    t->g = calloc(m->ngroups, sizeof(*t->g));
+    if (t->g == NULL) {
+        return -1;
+    }
+    for (size_t g = 0; g < m->ngroups; g++) {
+        ts_group_t *gr = &t->g[g];
+        gr->first = t->plan->group_first[g];
+        gr->nshards = t->plan->group_first[g + 1] - gr->first;
+        const mfsdp_group_desc_t *gd = &m->groups[g];
+        gr->ah.lr = (float)(m->hp.adamw_lr * gd->lr_scale);
+        gr->ah.beta1 = (float)m->hp.adamw_beta1;
+        gr->ah.beta2 = (float)m->hp.adamw_beta2;
+        gr->ah.eps = (float)m->hp.adamw_eps;
+        gr->ah.weight_decay =
+            (float)(gd->has_weight_decay ? gd->weight_decay : m->hp.adamw_weight_decay);
+        for (size_t i = 0; i < gr->nshards; i++) {
+            const mfsdp_shard_t *sh = ts_shard(t, g, i);
+            if (sh->owner < 0) {
+                fprintf(stderr, "mfsdp-perf: trainstep: %s has no single owner\n",
+                        ts_param(t, sh)->name);
+                return -1;
+            }
+            gr->S += (size_t)sh->fsdp_s;
+            maxnumel = (size_t)sh->numel > maxnumel ? (size_t)sh->numel : maxnumel;
+            const size_t wide = (size_t)(sh->rows > sh->cols ? sh->rows : sh->cols);
+            width = wide > width ? wide : width;
+        }
+        smax = gr->S > smax ? gr->S : smax;
+        int oom = 0;
+        for (int s = 0; s < 3; s++) {
+            gr->w[s] = malloc(gr->S * sizeof(float));
+            gr->am[s] = calloc(gr->S, sizeof(float));
+            gr->av[s] = calloc(gr->S, sizeof(float));
+            oom |= !gr->w[s] || !gr->am[s] || !gr->av[s];
+        }
+        gr->w0 = malloc(gr->S * sizeof(float));
+        gr->rs = calloc(gr->S, sizeof(float));
+        if (oom || !gr->w0 || !gr->rs) {
+            return -1;
+        }
+    }
+    if (opt_build(&t->x, m, t->plan, 0, 1) != 0) {
+        return -1;
+    }
+    for (size_t i = 0; i < t->x.nmat; i++) {
+        opt_mat_t *a = &t->x.mat[i];
+        a->gs = t->g[a->group].rs + a->fsdp_o;
+    }
+    const size_t n = (size_t)g_world, act = t->T * width;
+    t->width = width;
+    t->full = malloc(n * smax * sizeof(float));
+    t->rsin = malloc(n * smax * sizeof(float));
+    t->rsout = malloc(smax * sizeof(float));
+    t->wc = malloc(maxnumel * sizeof(float));
+    t->dwc = malloc(maxnumel * sizeof(float));
+    t->xa = malloc(act * sizeof(float));
+    t->dy = malloc(act * sizeof(float));
+    t->ya = malloc(act * sizeof(float));
+    t->dxa = malloc(act * sizeof(float));
+    if (!t->full || !t->rsin || !t->rsout || !t->wc || !t->dwc || !t->xa || !t->dy || !t->ya ||
+        !t->dxa) {
+        return -1;
+    }
+    /* Synthetic activations, different on every rank: X ~ N, dY ~ N / sqrt(T). */
+    opt_fill(t->xa, act, 0x7100u + (uint64_t)g_rank, 1.0f);
+    opt_fill(t->dy, act, 0x7200u + (uint64_t)g_rank, (float)(1.0 / sqrt((double)t->T)));
+    *maxnumel_p = maxnumel;
+    return 0;
+}
+
+static int ts_run(const perf_opts_t *o, void *state)
+{
+    const ts_state_t *st = state;
+    mfsdp_manifest_t *m = NULL;
+    const int load_rc = load_manifest("trainstep", st->manifest, &m);
+    if (load_rc != 0) {
+        return load_rc;
+    }
+    if (ts_supported(m, st->manifest) != 0) {
+        mfsdp_manifest_free(m);
+        return 2;
+    }
+    ts_ctx_t t;
+    memset(&t, 0, sizeof(t));
+    t.m = m;
+    t.T = (size_t)st->tokens;
+    float *tmp = NULL;
+    size_t maxnumel = 0;
+    int rc = 0;
+    mfsdp_status_t cst = perf_ctx_create(m, MFSDP_TAIL_OWNER, MFSDP_ALGO_AUTO, &t.ctx);
+    if (cst == MFSDP_OK) {
+        cst = mfsdp_ctx_get_plan(t.ctx, &t.plan);
+    }
+    if (cst == MFSDP_OK) {
+        cst = mfsdp_ctx_set_lr_factor(t.ctx, 1.0); /* the baselines have no schedule */
+    }
+    if (cst != MFSDP_OK) {
+        fprintf(stderr, "mfsdp-perf: trainstep: context: %s\n", mfsdp_status_string(cst));
+        rc = 1;
+        goto done;
+    }
+    int ok = ts_alloc(&t, &maxnumel) == 0;
+    if (ok) {
+        tmp = malloc(maxnumel * sizeof(float));
+        ok = tmp != NULL;
+    }
+    int all_ok = ok;
+    MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (!all_ok) {
+        if (g_rank == 0) {
+            fprintf(stderr, "mfsdp-perf: trainstep: setup failed (out of memory at %d tokens?)\n",
+                    st->tokens);
+        }
+        rc = 1;
+        goto done;
+    }
+    ts_init_weights(&t, tmp);
+    /* Prime mfsdp (untimed): each group's first all-gather takes the initial weights. */
+    for (size_t g = 0; g < m->ngroups && rc == 0; g++) {
+        rc = sum_long(ts_gather(&t, TS_MFSDP, g) != 0) != 0;
+    }
+
+    double tt[TS_NSYS][64], tc[TS_NSYS][64], tp[TS_NSYS][64], to[TS_NSYS][64], toc[TS_NSYS][64],
+        tg[TS_NSYS][64];
+    const int iters = o->iters < 64 ? o->iters : 64;
+    const int total = o->warmup + iters;
+    for (int it = 0; it < total && rc == 0; it++) {
+        /* The order of the systems rotates from run to run (as optstep's). */
+        for (int q = 0; q < TS_NSYS && rc == 0; q++) {
+            const int s = (q + it) % TS_NSYS;
+            ts_times_t tm;
+            MPI_Barrier(MPI_COMM_WORLD);
+            const double t0 = now_s();
+            const int bad = ts_step(&t, s, &tm);
+            const double wall = now_s() - t0;
+            if (sum_long(bad != 0) != 0) {
+                rc = 1;
+                break;
+            }
+            if (it >= o->warmup) {
+                const int k = it - o->warmup;
+                tt[s][k] = run_max(wall);
+                tc[s][k] = run_max(tm.comm);
+                tp[s][k] = run_max(tm.compute);
+                to[s][k] = run_max(tm.opt);
+                toc[s][k] = run_max(tm.opt_comm);
+                tg[s][k] = run_max(tm.gather);
+            }
+        }
+    }
+    long wrong = 0;
+    if (rc == 0 && o->check) {
+        wrong = sum_long(ts_check(&t, tmp));
+    }
+    if (rc == 0 && g_rank == 0) {
+        double med[TS_NSYS][6];
+        for (int s = 0; s < TS_NSYS; s++) {
+            med[s][0] = median(tt[s], iters);
+            med[s][1] = median(tc[s], iters);
+            med[s][2] = median(tp[s], iters);
+            med[s][3] = median(to[s], iters);
+            med[s][4] = median(toc[s], iters);
+            med[s][5] = median(tg[s], iters);
+        }
+        /* Analytic FLOPs per rank: forward + backward 6 T m k per weight; Newton-Schulz of
+         * every Muon matrix (FSDP2-Muon runs all of it on every rank), and mfsdp's most
+         * loaded owner. */
+        double fb = 0.0, ns = 0.0, nparams = 0.0;
+        for (size_t s = 0; s < t.plan->nshards; s++) {
+            const mfsdp_shard_t *sh = &t.plan->shards[s];
+            nparams += (double)sh->numel;
+            ns += sh->ns_flops;
+            if (ts_param(&t, sh)->ndim >= 2) {
+                fb += 6.0 * (double)t.T * (double)sh->numel;
+            }
+        }
+        const double bound = med[TS_ADAMW][0] + 1.2 * med[TS_MFSDP][3];
+        const int met = med[TS_MFSDP][0] <= bound;
+        const double r_fsdp2 = med[TS_FSDP2][0] / med[TS_MFSDP][0];
+        const double r_dmuon = med[TS_DMUON][0] / med[TS_MFSDP][0];
+        FILE *hdr = o->json ? stderr : stdout;
+        fprintf(hdr,
+                "# mfsdp-perf trainstep: %s, %.2f M params (%zu Muon matrices), %d ranks, %zu "
+                "tokens per rank, %d NS steps, %d timed run(s) (median of the slowest rank; "
+                "order rotated), %d warm-up, check %d\n",
+                st->manifest, nparams * 1e-6, t.x.nmat, g_world, t.T, m->hp.ns_steps, o->iters,
+                o->warmup, o->check);
+        fprintf(hdr, "# per group in order: all-gather, forward Y = X W^T; in reverse: all-gather, "
+                     "dX = dY W, dW = dY^T X, reduce (sum). fsdp-adamw, fsdp2-muon, dmuon: "
+                     "MPI_Allgather / MPI_Reduce_scatter_block; mfsdp: mfsdp_ctx_allgather / "
+                     "mfsdp_ctx_reduce. Optimizer: AdamW on shards; Muon after MPI_Iallgather "
+                     "on every rank; Muon after MPI_Igather to rank i %% n, MPI_Iscatter back; "
+                     "mfsdp_ctx_step (owners, no collective)\n");
+        fprintf(hdr, "# comm: collectives of forward/backward; fwdbwd: GEMMs and copies; "
+                     "opt: optimizer step (opt_comm: its collectives); each the max over ranks\n");
+        if (!o->json) {
+            printf("#%-11s %10s %10s %10s %10s %11s %9s %7s\n", "system", "step_ms", "comm_ms",
+                   "fwdbwd_ms", "opt_ms", "opt_comm_ms", "vs_mfsdp", "#wrong");
+        }
+        for (int s = 0; s < TS_NSYS; s++) {
+            const double ratio = med[s][0] / med[TS_MFSDP][0];
+            if (o->json) {
+                printf("{\"subcommand\":\"trainstep\",\"ranks\":%d,\"tokens\":%zu,"
+                       "\"system\":\"%s\",\"step_s\":%.6f,\"comm_s\":%.6f,\"fwdbwd_s\":%.6f,"
+                       "\"opt_s\":%.6f,\"opt_comm_s\":%.6f,\"gather_s\":%.6f,"
+                       "\"time_vs_mfsdp\":%.4f,\"wrong\":%ld",
+                       g_world, t.T, ts_names[s], med[s][0], med[s][1], med[s][2], med[s][3],
+                       med[s][4], med[s][5], ratio, wrong);
+                if (s == TS_MFSDP) {
+                    printf(",\"bound_s\":%.6f,\"bound_met\":%s,\"ns_fwdbwd_flops\":%.4f,"
+                           "\"ns_fwdbwd_flops_mfsdp\":%.4f",
+                           bound, met ? "true" : "false", ns / fb, t.plan->max_flops / fb);
+                }
+                printf("}\n");
+            } else {
+                printf(" %-11s %10.1f %10.1f %10.1f %10.1f %11.1f %9.3f %7ld\n", ts_names[s],
+                       1e3 * med[s][0], 1e3 * med[s][1], 1e3 * med[s][2], 1e3 * med[s][3],
+                       1e3 * med[s][4], ratio, wrong);
+            }
+        }
+        fprintf(hdr,
+                "# target mfsdp step <= fsdp-adamw step + 1.2 x mfsdp owner step: %.1f <= %.1f "
+                "+ 1.2 x %.1f = %.1f ms: %s\n",
+                1e3 * med[TS_MFSDP][0], 1e3 * med[TS_ADAMW][0], 1e3 * med[TS_MFSDP][3], 1e3 * bound,
+                met ? "met" : "NOT met");
+        fprintf(hdr,
+                "# mfsdp speedup: %.3fx vs fsdp2-muon, %.3fx vs dmuon: faster than both: %s "
+                "(%d ranks)\n",
+                r_fsdp2, r_dmuon, r_fsdp2 > 1.0 && r_dmuon > 1.0 ? "yes" : "NO", g_world);
+        fprintf(hdr,
+                "# analytic FLOPs per rank: forward+backward %.1f G; Newton-Schulz %.1f G "
+                "(fsdp2-muon: all of it), mfsdp's most loaded owner %.1f G; NS/(fwd+bwd) = "
+                "%.3f (fsdp2-muon), %.3f (mfsdp)\n",
+                fb * 1e-9, ns * 1e-9, t.plan->max_flops * 1e-9, ns / fb, t.plan->max_flops / fb);
+        fflush(stdout);
+    }
+    if (wrong != 0) {
+        rc = 1;
+    }
+done:
+    ts_free(&t);
+    free(tmp);
+    mfsdp_manifest_free(m);
+    return rc;
+}
 #endif /* MFSDP_HAVE_MPI */
 
 /* ---------------------------------------------------------------------------------------
@@ -1949,6 +2674,19 @@ static const perf_subcmd_t subcmds[] = {
         .defaults = ckpt_defaults,
         .parse_opt = ckpt_parse_opt,
         .run = ckpt_run,
+        .mpi = 1,
+    },
+    {
+        .name = "trainstep",
+        .summary = "one FSDP training step: fsdp-adamw vs fsdp2-muon vs dmuon vs mfsdp (mpirun)",
+        .usage = "  -M, --manifest FILE        model manifest (required; float32 params)\n"
+                 "  -T, --tokens N             synthetic tokens per rank (default 8192)\n",
+        .short_opts = "M:T:",
+        .opts = ts_long_opts,
+        .state_size = sizeof(ts_state_t),
+        .defaults = ts_defaults,
+        .parse_opt = ts_parse_opt,
+        .run = ts_run,
         .mpi = 1,
     },
 #endif

@@ -138,9 +138,9 @@ def gpt2_124m():
     return {"format": FORMAT, "groups": groups}
 
 
-def llama3(hidden, ffn, layers):
-    """Llama-3 (Hugging Face naming): GQA with 8 KV heads of dim 128, untied lm_head."""
-    vocab, kv, dt = 128256, 8 * 128, "bfloat16"
+def llama3(hidden, ffn, layers, vocab=128256, kv=8 * 128, dt="bfloat16"):
+    """Llama-3 (Hugging Face naming): GQA with 8 KV heads of dim 128, untied lm_head.
+    Scaled-down variants change the vocabulary, the KV width and the dtype."""
     root = group("root", [
         param("model.embed_tokens.weight", [vocab, hidden], dt),
         param("model.norm.weight", [hidden], dt),
@@ -170,6 +170,12 @@ MODELS = {
     "llama3-70b.json": lambda: llama3(8192, 28672, 80),
     # Scaled-down Llama (4 blocks, hidden 1024, FFN 3584): mfsdp-perf optstep's manifest.
     "llama-mini.json": lambda: llama3(1024, 3584, 4),
+    # Small fp32 Llama (2 blocks, hidden 512, FFN 1792, 4 KV heads of 64, vocabulary 1024):
+    # mfsdp-perf trainstep's manifest, small enough for its forward/backward GEMMs at 8k
+    # tokens per rank on a CPU.
+    "llama-small.json": lambda: llama3(512, 1792, 2, vocab=1024, kv=4 * 64, dt="float32"),
+    # The same layout at toy size (hidden 64, FFN 176): the trainstep tests.
+    "llama-tiny.json": lambda: llama3(64, 176, 2, vocab=96, kv=2 * 16, dt="float32"),
 }
 
 
