@@ -371,14 +371,19 @@ mfsdp_status_t mfsdp_sched_build(const mfsdp_group_sched_t *gs, int rank, mfsdp_
         free(l.v);
         return MFSDP_ERR_NO_MEMORY;
     }
-    ops_p->nops = l.n;
-    ops_p->ops = l.v;
+    *ops_p = (mfsdp_sched_ops_t){.nops = l.n, .ops = l.v};
     return MFSDP_OK;
 }
 
 void mfsdp_sched_ops_free(mfsdp_sched_ops_t *ops)
 {
     if (ops != NULL) {
+        if (ops->tp_state != NULL && ops->tp_state_free != NULL) {
+            ops->tp_state_free(ops->tp_state);
+        }
+        ops->tp_state = NULL;
+        ops->tp_owner = NULL;
+        ops->tp_state_free = NULL;
         free(ops->ops);
         ops->ops = NULL;
         ops->nops = 0;

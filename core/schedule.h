@@ -114,6 +114,13 @@ typedef struct mfsdp_group_sched {
 typedef struct mfsdp_sched_ops {
     size_t nops;
     mfsdp_sched_op_t *ops;
+    /* What a transport derives from this op list once and reuses on every call (the MPI
+     * transport: request and dependency arrays, committed datatypes), built on the first run
+     * and released by tp_state_free(tp_state) in mfsdp_sched_ops_free(): its lifetime is the
+     * op list's. NULL until then; tp_owner names the transport kind that built it. */
+    void *tp_state;
+    const void *tp_owner;
+    void (*tp_state_free)(void *state);
 } mfsdp_sched_ops_t;
 
 /* Units of a chain's ring buffer for a tensor of total units: min(total, WINDOW chunks). */

@@ -17,7 +17,7 @@
  * the full set, else a variant built the first time that subset is seen (every rank sees
  * the same subsets in the same order, so every rank builds the same variants). */
 static mfsdp_status_t rs_variant(struct mfsdp_ctx *ctx, size_t g, const unsigned char *has_grad,
-                                 const mfsdp_group_sched_t **gs_p, const mfsdp_sched_ops_t **ops_p)
+                                 const mfsdp_group_sched_t **gs_p, mfsdp_sched_ops_t **ops_p)
 {
     mfsdp_group_state_t *gst = &ctx->groups[g];
     const mfsdp_group_desc_t *gd = &ctx->manifest->groups[g];
@@ -107,7 +107,7 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
         return MFSDP_ERR_STATE;
     }
     const mfsdp_group_sched_t *gs = NULL;
-    const mfsdp_sched_ops_t *rs_ops = NULL;
+    mfsdp_sched_ops_t *rs_ops = NULL;
     MFSDP_CHECK(rs_variant(ctx, group, has_grad, &gs, &rs_ops));
     const mfsdp_buffer_layout_t *rs = &gs->layout->rs;
     int n = ctx->world;

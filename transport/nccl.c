@@ -575,14 +575,15 @@ static mfsdp_status_t nccl_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
         for (size_t k = first[w]; k < first[w + 1]; k++) {
             const mfsdp_sched_op_t *op = &x->ops->ops[order[k]];
             if (is_local(op)) {
-                MFSDP_CHECK_GOTO(mfsdp_xfer_local(x, op, t->base.rank, t->base.world), st, out);
+                MFSDP_CHECK_GOTO(mfsdp_xfer_local(x, op, t->base.rank, t->base.world, NULL), st,
+                                 out);
             }
         }
     }
     for (size_t i = 0; i < n; i++) {
         if (x->ops->ops[i].dep == MFSDP_SCHED_DEP_ALL) {
-            MFSDP_CHECK_GOTO(mfsdp_xfer_local(x, &x->ops->ops[i], t->base.rank, t->base.world), st,
-                             out);
+            MFSDP_CHECK_GOTO(
+                mfsdp_xfer_local(x, &x->ops->ops[i], t->base.rank, t->base.world, NULL), st, out);
         }
     }
 out:

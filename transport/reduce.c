@@ -115,7 +115,7 @@ static mfsdp_status_t copy_out(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op
 }
 
 mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, int rank,
-                                int world)
+                                int world, const void **srcv)
 {
     const mfsdp_xfer_bufs_t *b = &x->bufs[op->seg];
     size_t elt = mfsdp_dtype_size(x->dtype);
@@ -129,7 +129,7 @@ mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *o
     switch (op->apply) {
     case MFSDP_APPLY_ORDERED: {
         /* The direct algorithm: one call, contributions in rank order 0..n-1. */
-        const void **src = malloc((size_t)world * sizeof(*src));
+        const void **src = srcv != NULL ? srcv : malloc((size_t)world * sizeof(*src));
         if (src == NULL) {
             return MFSDP_ERR_NO_MEMORY;
         }
@@ -140,7 +140,9 @@ mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *o
         mfsdp_status_t st =
             x->exec->ops->reduce_ordered(x->exec, b->grad + op->off, (const void *const *)src,
                                          world, x->dtype, op->len, x->op, x->scalar, 1);
-        free((void *)src);
+        if (src != srcv) {
+            free((void *)src);
+        }
         return st;
     }
     case MFSDP_APPLY_FINAL:

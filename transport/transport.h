@@ -39,7 +39,7 @@ typedef struct mfsdp_xfer {
     mfsdp_exec_t *exec; /* does the local work (sums, copies) on the buffers' memory */
     mfsdp_sched_dir_t dir;
     const mfsdp_group_sched_t *gs;
-    const mfsdp_sched_ops_t *ops;
+    mfsdp_sched_ops_t *ops;  /* its tp_state is the transport's cache for this op list */
     mfsdp_xfer_bufs_t *bufs; /* gs->nsegs entries */
     mfsdp_dtype_t dtype;     /* reduce: dtype of contributions (the reduce dtype) */
     mfsdp_redop_t op;        /* reduce: sum, avg or premulsum */
@@ -110,9 +110,11 @@ struct mfsdp_transport {
  * gather, the reduce dtype for SRC/STAGE (STAGE at the op's slot) and fp32 for PIN, POUT
  * and FINAL in the reduce. NULL when the runtime bound none. */
 void *mfsdp_xfer_buf(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, size_t *elt_p);
-/* Run the local (APPLY, COPYOUT) op of an op list. */
+/* Run the local (APPLY, COPYOUT) op of an op list. srcv: world entries of scratch for a
+ * direct reduce's ordered sum (the transport's, kept with the op list), or NULL to allocate
+ * them for this call. */
 mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, int rank,
-                                int world);
+                                int world, const void **srcv);
 /* Fill POUT for a SEND/REDUCE op with combine set. */
 mfsdp_status_t mfsdp_xfer_prepare(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op);
 

@@ -1,0 +1,204 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Steady state of the MPI transport: after a group's first all-gather and reduce, later
+ * calls create no MPI datatype and allocate nothing in the library (the request arrays,
+ * dependency lists and datatypes are built once per op list and kept with it).
+ *
+ * Counted here: MPI_Type_create_hindexed / MPI_Type_create_resized / MPI_Type_commit through
+ * PMPI wrappers, and every malloc/calloc/realloc made by code linked into this executable
+ * (the library is a static archive; the link wraps those symbols: -Wl,--wrap=malloc ...).
+ * Open MPI's own allocations inside its calls are not counted (a shared library).
+ * Every algorithm pair (direct, chain, native) with a sharded tail and owned tensors, bf16
+ * and fp32 groups; 1..4 ranks.
+ */
+#include <mpi.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/layout.h"
+#include "mfsdp/runtime_mpi.h"
+#include "tests/lib/mpi_check.h"
+
+static int g_counting;
+static long g_types, g_allocs;
+
+void *__real_malloc(size_t n);
+void *__real_calloc(size_t k, size_t n);
+void *__real_realloc(void *p, size_t n);
+void *__wrap_malloc(size_t n);
+void *__wrap_calloc(size_t k, size_t n);
+void *__wrap_realloc(void *p, size_t n);
+
+void *__wrap_malloc(size_t n)
+{
+    g_allocs += g_counting;
+    return __real_malloc(n);
+}
+void *__wrap_calloc(size_t k, size_t n)
+{
+    g_allocs += g_counting;
+    return __real_calloc(k, n);
+}
+void *__wrap_realloc(void *p, size_t n)
+{
+    g_allocs += g_counting;
+    return __real_realloc(p, n);
+}
+
+int MPI_Type_create_hindexed(int count, const int len[], const MPI_Aint disp[], MPI_Datatype old,
+                             MPI_Datatype *t)
+{
+    g_types += g_counting;
+    return PMPI_Type_create_hindexed(count, len, disp, old, t);
+}
+int MPI_Type_create_resized(MPI_Datatype old, MPI_Aint lb, MPI_Aint extent, MPI_Datatype *t)
+{
+    g_types += g_counting;
+    return PMPI_Type_create_resized(old, lb, extent, t);
+}
+int MPI_Type_commit(MPI_Datatype *t)
+{
+    g_types += g_counting;
+    return PMPI_Type_commit(t);
+}
+
+static void add_param(mfsdp_group_desc_t *g, const char *name, int ndim, int64_t r, int64_t c,
+                      mfsdp_dtype_t dt)
+{
+    mfsdp_param_desc_t *p = &g->params[g->nparams++];
+    memset(p, 0, sizeof(*p));
+    p->name = strdup(name);
+    p->ndim = ndim;
+    p->shape[0] = r;
+    p->shape[1] = c;
+    p->numel = ndim == 1 ? r : r * c;
+    p->dtype = dt;
+    p->requires_grad = 1;
+    p->optimizer = ndim == 2 ? MFSDP_ROLE_MUON : MFSDP_ROLE_ADAMW;
+}
+
+/* Two groups: bf16 (two matrices, a norm) and fp32 (one matrix, a norm). The 1-D norms form
+ * the sharded tail. */
+static mfsdp_manifest_t *manifest(void)
+{
+    mfsdp_manifest_t *m = calloc(1, sizeof(*m));
+    mfsdp_hparams_default(&m->hp);
+    m->ngroups = 2;
+    m->groups = calloc(2, sizeof(*m->groups));
+    for (size_t g = 0; g < 2; g++) {
+        m->groups[g].name = strdup(g == 0 ? "a" : "b");
+        m->groups[g].lr_scale = 1.0;
+        m->groups[g].params = calloc(4, sizeof(mfsdp_param_desc_t));
+    }
+    add_param(&m->groups[0], "a.q", 2, 67, 48, MFSDP_BFLOAT16);
+    add_param(&m->groups[0], "a.o", 2, 33, 20, MFSDP_BFLOAT16);
+    add_param(&m->groups[0], "a.norm", 1, 45, 1, MFSDP_BFLOAT16);
+    add_param(&m->groups[1], "b.w", 2, 29, 31, MFSDP_FLOAT32);
+    add_param(&m->groups[1], "b.norm", 1, 19, 1, MFSDP_FLOAT32);
+    return m;
+}
+
+static void manifest_free(mfsdp_manifest_t *m)
+{
+    for (size_t g = 0; g < m->ngroups; g++) {
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            free(m->groups[g].params[i].name);
+        }
+        free(m->groups[g].params);
+        free(m->groups[g].name);
+    }
+    free(m->groups);
+    free(m);
+}
+
+static const char *algo_name(mfsdp_algo_t a)
+{
+    return a == MFSDP_ALGO_DIRECT ? "direct" : a == MFSDP_ALGO_CHAIN ? "chain" : "native";
+}
+
+int main(int argc, char **argv)
+{
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &g_world);
+    static const mfsdp_algo_t algos[] = {MFSDP_ALGO_DIRECT, MFSDP_ALGO_CHAIN, MFSDP_ALGO_NATIVE};
+    mfsdp_manifest_t *m = manifest();
+    for (int ga = 0; ga < 3; ga++) {
+        for (int ra = 0; ra < 3; ra++) {
+            mfsdp_ctx_opts_t o;
+            memset(&o, 0, sizeof(o));
+            o.has_plan_opts = 1;
+            o.plan_opts.tail = MFSDP_TAIL_SHARD;
+            o.gather_algo = algos[ga];
+            o.reduce_algo = algos[ra];
+            o.chain_chunk = 256; /* several chunks per tensor */
+            o.has_step_mode = 1;
+            o.step_mode = MFSDP_STEP_MANUAL;
+            mfsdp_ctx_h ctx = NULL;
+            mfsdp_status_t st = mfsdp_ctx_create_mpi(m, &o, MPI_COMM_WORLD, &ctx);
+            CHECK(st == MFSDP_OK, "ctx create: %s", mfsdp_status_string(st));
+            if (ctx == NULL) {
+                continue;
+            }
+            void *ag_send[2], *ag_recv[2], *rs_send[2], *rs_recv[2];
+            size_t ag_count[2], rs_count[2];
+            mfsdp_dtype_t ag_dt[2], rs_dt[2];
+            for (size_t g = 0; g < 2; g++) {
+                mfsdp_group_layout_t *l = NULL;
+                CHECK_OK(mfsdp_group_layout_create(&m->groups[g], g_world, &l));
+                ag_count[g] = l->ag.count;
+                rs_count[g] = l->rs.count;
+                ag_dt[g] = l->ag.dtype;
+                rs_dt[g] = l->rs.dtype;
+                ag_send[g] = calloc(1, l->ag.bytes + 1);
+                ag_recv[g] = calloc((size_t)g_world, l->ag.bytes + 1);
+                rs_send[g] = calloc((size_t)g_world, l->rs.bytes + 1);
+                rs_recv[g] = calloc(1, l->rs.bytes + 1);
+                mfsdp_group_layout_destroy(l);
+            }
+            long types[4], allocs[4];
+            for (int it = 0; it < 4; it++) {
+                g_types = g_allocs = 0;
+                g_counting = 1;
+                for (size_t g = 0; g < 2; g++) {
+                    CHECK_OK(
+                        mfsdp_ctx_allgather(ctx, g, ag_send[g], ag_recv[g], ag_count[g], ag_dt[g]));
+                    CHECK_OK(mfsdp_ctx_reduce(ctx, g, rs_send[g], rs_recv[g], rs_count[g], rs_dt[g],
+                                              MFSDP_OP_AVG, 0.0));
+                }
+                g_counting = 0;
+                types[it] = g_types;
+                allocs[it] = g_allocs;
+            }
+            for (int it = 1; it < 4; it++) {
+                CHECK(types[it] == 0 && allocs[it] == 0,
+                      "gather %s, reduce %s, call %d: %ld datatype calls, %ld allocations "
+                      "(first call: %ld, %ld)",
+                      algo_name(algos[ga]), algo_name(algos[ra]), it + 1, types[it], allocs[it],
+                      types[0], allocs[0]);
+            }
+            if (g_rank == 0 && ga == 0 && ra == 0) {
+                printf("test_steady: first call %ld datatype calls, %ld allocations; later "
+                       "calls %ld, %ld\n",
+                       types[0], allocs[0], types[1], allocs[1]);
+            }
+            for (size_t g = 0; g < 2; g++) {
+                free(ag_send[g]);
+                free(ag_recv[g]);
+                free(rs_send[g]);
+                free(rs_recv[g]);
+            }
+            mfsdp_ctx_destroy(&ctx);
+        }
+    }
+    manifest_free(m);
+    int total = 0;
+    PMPI_Allreduce(&g_failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    if (g_rank == 0) {
+        printf("test_steady: %d ranks, %d failures\n", g_world, total);
+    }
+    MPI_Finalize();
+    return total == 0 ? 0 : 1;
+}
