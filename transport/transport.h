@@ -3,7 +3,9 @@
  * Transport interface (floor 4): moves the bytes of one group's schedule (core/schedule.h)
  * between ranks and performs the fixed-order sums and casts that the reduce pipelines need
  * (through kernels/). Every buffer is handed in by the runtime, which allocates them once
- * in the owner arena; a transport keeps nothing long-lived besides its communicator.
+ * in the owner arena. Besides its communicator, a transport keeps only what it derives from
+ * an op list (mfsdp_sched_ops_t.tp_state: requests, dependency lists, MPI datatypes), built
+ * on the list's first run and freed with the list, so later runs allocate nothing.
  *
  * Implementations: MPI (transport/mpi.c, MPI_Isend/Irecv, MPI_Ibcast/Ireduce,
  * MPI_Iallgather/Ireduce_scatter_block; one completion loop) and NCCL (transport/nccl.c,
