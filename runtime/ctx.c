@@ -67,12 +67,61 @@ static mfsdp_algo_t resolve_algo(mfsdp_algo_t opt, int cfg, int world)
     return world <= 8 ? MFSDP_ALGO_DIRECT : MFSDP_ALGO_CHAIN;
 }
 
-static mfsdp_status_t build_ops(struct mfsdp_ctx *ctx, mfsdp_group_state_t *gst)
+/* The direct reduce's chunk of group g (in the schedule's unit: 4 bytes per element), the
+ * same on every rank: the most owned tensors with a gradient any rank has in the group, each
+ * with a ring of MFSDP_SCHED_WINDOW slots of one chunk per rank, plus the sharded-tail
+ * reduce's fp32 blocks, fit the staging budget. */
+static mfsdp_status_t direct_chunk(struct mfsdp_ctx *ctx, size_t g, size_t *chunk_p)
 {
+    const mfsdp_group_sched_t *gs = ctx->groups[g].gs;
+    size_t n = (size_t)ctx->world;
+    *chunk_p = ctx->chunk;
+    if (ctx->reduce_algo != MFSDP_ALGO_DIRECT || n == 1) {
+        return MFSDP_OK;
+    }
+    size_t *owned = calloc(n, sizeof(*owned));
+    if (owned == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    size_t kmax = 0;
+    for (size_t i = 0; i < gs->nsegs; i++) {
+        if (gs->segs[i].rs_entry >= 0) {
+            size_t k = ++owned[gs->segs[i].owner];
+            kmax = k > kmax ? k : kmax;
+        }
+    }
+    free(owned);
+    if (kmax == 0) {
+        return MFSDP_OK;
+    }
+    size_t elt = mfsdp_dtype_size(gs->layout->rs.dtype);
+    size_t tail = gs->tail_rs_elems * sizeof(float) * (n + 1) + 2 * MFSDP_ARENA_ALIGN;
+    size_t fixed = tail + (kmax + 1) * MFSDP_ARENA_ALIGN;
+    size_t per = kmax * MFSDP_SCHED_WINDOW * n * elt; /* bytes per element of chunk */
+    size_t ce = ctx->budget > fixed ? (ctx->budget - fixed) / per : 0;
+    if (ce > MFSDP_SCHED_MAX_MSG / sizeof(float)) {
+        ce = MFSDP_SCHED_MAX_MSG / sizeof(float);
+    }
+    if (ce == 0) {
+        MFSDP_WARN("MFSDP_STAGING_BYTES=%zu is too small for the direct reduce of group %s: a "
+                   "one-element chunk needs %zu bytes (%zu owned tensors x %d slots x %zu ranks x "
+                   "%zu bytes, and %zu for the sharded tail and alignment)",
+                   ctx->budget, ctx->manifest->groups[g].name, fixed + per, kmax,
+                   MFSDP_SCHED_WINDOW, n, elt, fixed);
+        return MFSDP_ERR_CONFIG;
+    }
+    *chunk_p = ce * sizeof(float);
+    return MFSDP_OK;
+}
+
+static mfsdp_status_t build_ops(struct mfsdp_ctx *ctx, size_t g)
+{
+    mfsdp_group_state_t *gst = &ctx->groups[g];
+    MFSDP_CHECK(direct_chunk(ctx, g, &gst->rs_chunk));
     MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_GATHER, ctx->gather_algo,
                                   ctx->chunk, &gst->ag_ops));
     MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_REDUCE, ctx->reduce_algo,
-                                  ctx->chunk, &gst->rs_ops));
+                                  gst->rs_chunk, &gst->rs_ops));
     return MFSDP_OK;
 }
 
@@ -101,6 +150,7 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
                    sizeof(float));
         return MFSDP_ERR_INVALID_ARG;
     }
+    ctx->budget = opts->staging_bytes != 0 ? opts->staging_bytes : cfg->staging_bytes;
     ctx->accum = opts->accum_steps > 0 ? opts->accum_steps : set.micro_steps;
     if (cfg->threads_set) {
         mfsdp_gemm_set_threads((int)cfg->threads); /* MFSDP_THREADS: process-wide BLAS */
@@ -177,7 +227,7 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
         for (size_t i = 0; i < gd->nparams; i++) {
             gst->full[i] = gd->params[i].requires_grad ? 1 : 0;
         }
-        MFSDP_CHECK(build_ops(ctx, gst));
+        MFSDP_CHECK(build_ops(ctx, g));
     }
     ctx->awaiting = -1;
     ctx->replicate = manifest->replicate > 1 ? manifest->replicate : 1;
@@ -202,6 +252,15 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
         MFSDP_CHECK(mfsdp_ctx_bind_reduce(ctx, g, ctx->groups[g].gs, NULL, &need_rs, &tb));
         stage = need_ag > stage ? need_ag : stage;
         stage = need_rs > stage ? need_rs : stage;
+        /* The direct reduce is sized to the budget; what else a call stages is not chunked
+         * (chain: WINDOW chunks per tensor; native: each tensor in fp32; gathers of tensors
+         * over 1 GiB whole): said once, not refused. */
+        if ((need_ag > ctx->budget || need_rs > ctx->budget) && ctx->rank == 0) {
+            MFSDP_WARN("group %s stages %zu bytes per rank (all-gather %zu, reduce %zu), above "
+                       "MFSDP_STAGING_BYTES=%zu: only the direct reduce is held to it",
+                       manifest->groups[g].name, need_ag > need_rs ? need_ag : need_rs, need_ag,
+                       need_rs, ctx->budget);
+        }
     }
     size_t ws = 0;
     for (size_t i = 0; i < ctx->plan->nshards; i++) {
@@ -422,6 +481,8 @@ mfsdp_status_t mfsdp_ctx_get_stats(mfsdp_ctx_h ctx, mfsdp_ctx_stats_t *stats_p)
     s.last_grad_norm = ctx->last_norm;
     s.gather_algo = ctx->gather_algo;
     s.reduce_algo = ctx->reduce_algo;
+    s.comm_staging_bytes = ctx->stage_bytes;
+    s.staging_budget = ctx->budget;
     s.step_mode = ctx->mode;
     s.accum_steps = ctx->accum;
     *stats_p = s;

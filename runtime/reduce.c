@@ -54,7 +54,7 @@ static mfsdp_status_t rs_variant(struct mfsdp_ctx *ctx, size_t g, const unsigned
     memcpy(v->mask, has_grad, np);
     MFSDP_CHECK_GOTO(mfsdp_group_sched_create_masked(ctx->plan, g, has_grad, &v->gs), st, err);
     MFSDP_CHECK_GOTO(mfsdp_sched_build(v->gs, ctx->rank, MFSDP_SCHED_DIR_REDUCE, ctx->reduce_algo,
-                                       ctx->chunk, &v->rs_ops),
+                                       gst->rs_chunk, &v->rs_ops),
                      st, err);
     size_t need;
     mfsdp_tail_bufs_t tb;
@@ -156,16 +156,6 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
     mfsdp_divide_fold(n, post, &op, &scalar);
     float sc = op == MFSDP_OP_PREMULSUM ? (float)scalar : 1.0f;
 
-    /* Direct: own contributions (each tensor's full local gradient) packed once. */
-    for (size_t i = 0; i < gs->nsegs; i++) {
-        const mfsdp_sched_seg_t *s = &gs->segs[i];
-        if (s->rs_entry < 0 || gst->bufs[i].src == NULL) {
-            continue;
-        }
-        mfsdp_strided_geom_t geom;
-        mfsdp_ctx_geom(rs, &rs->entries[s->rs_entry], n, &geom);
-        MFSDP_CHECK(ctx->exec->ops->pack(ctx->exec, gst->bufs[i].src, sendbuf, &geom));
-    }
     /* Sharded tail: rank-major fp32 blocks with the premul factor applied. */
     if (tb.send != NULL) {
         float *dst = tb.send;

@@ -11,6 +11,7 @@
 #include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "core/checks.h"
 
@@ -25,8 +26,10 @@ typedef struct mpi_transport {
 typedef struct mpi_cache {
     size_t nops;
     MPI_Request *reqs;
-    long *child;   /* first op depending on op i, -1 */
-    long *sibling; /* next op with the same dependency, -1 */
+    size_t *cfirst; /* children of op i (ops that wait for it): clist[cfirst[i], cfirst[i+1]) */
+    long *clist;    /* ... in op-list order */
+    int *ndeps;     /* ops each op waits for */
+    int *pending;   /* per run: those not completed yet */
     int *idx;
     const void **srcv;   /* world entries: the sources of a direct reduce's ordered sum */
     MPI_Datatype *types; /* per op: its receive datatype into FSDP's all-gather output */
@@ -45,8 +48,11 @@ static mfsdp_status_t post(engine_t *e, long i);
 
 static mfsdp_status_t post_children(engine_t *e, long i)
 {
-    for (long c = e->c->child[i]; c >= 0; c = e->c->sibling[c]) {
-        MFSDP_CHECK(post(e, c));
+    for (size_t k = e->c->cfirst[i]; k < e->c->cfirst[i + 1]; k++) {
+        long c = e->c->clist[k];
+        if (--e->c->pending[c] == 0) {
+            MFSDP_CHECK(post(e, c));
+        }
     }
     return MFSDP_OK;
 }
@@ -70,8 +76,10 @@ static void cache_free(void *state)
         }
     }
     free(c->reqs);
-    free(c->child);
-    free(c->sibling);
+    free(c->cfirst);
+    free(c->clist);
+    free(c->ndeps);
+    free(c->pending);
     free(c->idx);
     free((void *)c->srcv);
     free(c->types);
@@ -81,7 +89,7 @@ static void cache_free(void *state)
 static const mfsdp_transport_ops_t mpi_ops;
 
 /* The op list's cache, built on its first run: requests, the dependency lists (children in
- * reverse so that they are posted in op-list order) and empty datatype slots. */
+ * op-list order, so that they are posted in that order) and empty datatype slots. */
 static mfsdp_status_t cache_get(mfsdp_sched_ops_t *l, int world, mpi_cache_t **c_p)
 {
     if (l->tp_state != NULL && l->tp_owner == &mpi_ops) {
@@ -101,33 +109,51 @@ static mfsdp_status_t cache_get(mfsdp_sched_ops_t *l, int world, mpi_cache_t **c
     c->nops = n;
     c->tail = MPI_DATATYPE_NULL;
     c->reqs = malloc(n * sizeof(*c->reqs));
-    c->child = malloc(n * sizeof(*c->child));
-    c->sibling = malloc(n * sizeof(*c->sibling));
+    c->cfirst = calloc(n + 1, sizeof(*c->cfirst));
+    c->ndeps = malloc(n * sizeof(*c->ndeps));
+    c->pending = malloc(n * sizeof(*c->pending));
     c->idx = malloc(n * sizeof(*c->idx));
     c->srcv = malloc((size_t)world * sizeof(*c->srcv));
     c->types = malloc(n * sizeof(*c->types));
-    if (c->reqs == NULL || c->child == NULL || c->sibling == NULL || c->idx == NULL ||
-        c->srcv == NULL || c->types == NULL) {
+    if (c->reqs == NULL || c->cfirst == NULL || c->ndeps == NULL || c->pending == NULL ||
+        c->idx == NULL || c->srcv == NULL || c->types == NULL) {
         free(c->types);
         c->types = NULL;
         st = MFSDP_ERR_NO_MEMORY;
         goto err;
     }
+    size_t edges = 0;
     for (size_t i = 0; i < n; i++) {
         c->reqs[i] = MPI_REQUEST_NULL;
-        c->child[i] = -1;
-        c->sibling[i] = -1;
         c->types[i] = MPI_DATATYPE_NULL;
+        const mfsdp_sched_op_t *op = &l->ops[i];
+        c->ndeps[i] = op->dep >= 0 ? (op->ndep > 1 ? op->ndep : 1) : 0;
+        if (op->dep >= 0 && (size_t)op->dep + (size_t)c->ndeps[i] > i) {
+            MFSDP_WARN("op %zu waits for ops %ld..%ld, not all before it", i, op->dep,
+                       op->dep + c->ndeps[i] - 1);
+            st = MFSDP_ERR_INTERNAL;
+            goto err;
+        }
+        for (int q = 0; q < c->ndeps[i]; q++) {
+            c->cfirst[op->dep + q + 1]++;
+        }
+        edges += (size_t)c->ndeps[i];
     }
-    for (size_t k = n; k-- > 0;) {
-        long d = l->ops[k].dep;
-        if (d >= 0) {
-            if ((size_t)d >= k) {
-                st = MFSDP_ERR_INTERNAL;
-                goto err;
-            }
-            c->sibling[k] = c->child[d];
-            c->child[d] = (long)k;
+    for (size_t i = 0; i < n; i++) {
+        c->cfirst[i + 1] += c->cfirst[i];
+    }
+    c->clist = malloc((edges + 1) * sizeof(*c->clist));
+    if (c->clist == NULL) {
+        st = MFSDP_ERR_NO_MEMORY;
+        goto err;
+    }
+    for (size_t i = 0; i < n; i++) {
+        c->pending[i] = 0; /* fill position per parent while building */
+    }
+    for (size_t k = 0; k < n; k++) {
+        for (int q = 0; q < c->ndeps[k]; q++) {
+            size_t d = (size_t)l->ops[k].dep + (size_t)q;
+            c->clist[c->cfirst[d] + (size_t)c->pending[d]++] = (long)k;
         }
     }
     l->tp_state = c;
@@ -392,6 +418,7 @@ static mfsdp_status_t mpi_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
     engine_t e = {.t = t, .x = x};
     MFSDP_CHECK(cache_get(x->ops, t->base.world, &e.c));
     MPI_Request *reqs = e.c->reqs; /* all MPI_REQUEST_NULL between runs */
+    memcpy(e.c->pending, e.c->ndeps, n * sizeof(*e.c->pending));
     for (size_t i = 0; i < n; i++) {
         if (x->ops->ops[i].dep == -1) {
             MFSDP_CHECK_GOTO(post(&e, (long)i), st, out_wait);

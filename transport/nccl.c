@@ -489,18 +489,19 @@ static mfsdp_status_t check_list(const mfsdp_xfer_t *x, int *maxw_p)
             }
             continue;
         }
+        long nd = op->dep >= 0 && op->ndep > 1 ? op->ndep : 1; /* ops dep .. dep + nd - 1 */
         if (op->wave < 0 || (op->dep < 0 && op->dep != -1) ||
-            (op->dep >= 0 && (size_t)op->dep >= i)) {
-            MFSDP_WARN("op %zu of group %zu: wave %d, dependency %ld", i, x->gs->group, op->wave,
-                       op->dep);
+            (op->dep >= 0 && (size_t)(op->dep + nd - 1) >= i)) {
+            MFSDP_WARN("op %zu of group %zu: wave %d, dependency %ld (+%ld)", i, x->gs->group,
+                       op->wave, op->dep, nd - 1);
             return MFSDP_ERR_INTERNAL;
         }
-        if (op->dep >= 0) {
-            const mfsdp_sched_op_t *d = &l->ops[op->dep];
+        for (long q = op->dep; op->dep >= 0 && q < op->dep + nd; q++) {
+            const mfsdp_sched_op_t *d = &l->ops[q];
             if (is_local(op) ? op->wave < d->wave : op->wave <= d->wave) {
                 MFSDP_WARN("op %zu of group %zu (wave %d) would run before op %ld it depends on "
                            "(wave %d)",
-                           i, x->gs->group, op->wave, op->dep, d->wave);
+                           i, x->gs->group, op->wave, q, d->wave);
                 return MFSDP_ERR_INTERNAL;
             }
         }
