@@ -70,7 +70,8 @@ static mfsdp_algo_t resolve_algo(mfsdp_algo_t opt, int cfg, int world)
 /* The direct reduce's chunk of group g (in the schedule's unit: 4 bytes per element), the
  * same on every rank: the most owned tensors with a gradient any rank has in the group, each
  * with a ring of MFSDP_SCHED_WINDOW slots of one chunk per rank, plus the sharded-tail
- * reduce's fp32 blocks, fit the staging budget. */
+ * reduce's fp32 blocks, fit the staging budget (the rings alone when the tail does not). A
+ * budget without room for one-element chunks is refused. */
 static mfsdp_status_t direct_chunk(struct mfsdp_ctx *ctx, size_t g, size_t *chunk_p)
 {
     const mfsdp_group_sched_t *gs = ctx->groups[g].gs;
@@ -96,8 +97,14 @@ static mfsdp_status_t direct_chunk(struct mfsdp_ctx *ctx, size_t g, size_t *chun
     }
     size_t elt = mfsdp_dtype_size(gs->layout->rs.dtype);
     size_t tail = gs->tail_rs_elems * sizeof(float) * (n + 1) + 2 * MFSDP_ARENA_ALIGN;
-    size_t fixed = tail + (kmax + 1) * MFSDP_ARENA_ALIGN;
+    size_t slack = (kmax + 1) * MFSDP_ARENA_ALIGN;
     size_t per = kmax * MFSDP_SCHED_WINDOW * n * elt; /* bytes per element of chunk */
+    size_t fixed = tail + slack;
+    if (ctx->budget < fixed + per) {
+        /* The sharded tail alone leaves no room (it is not chunked; the creation warns that
+         * the group stages more than the budget): the rings get the budget. */
+        fixed = slack;
+    }
     size_t ce = ctx->budget > fixed ? (ctx->budget - fixed) / per : 0;
     if (ce > MFSDP_SCHED_MAX_MSG / sizeof(float)) {
         ce = MFSDP_SCHED_MAX_MSG / sizeof(float);
@@ -105,7 +112,7 @@ static mfsdp_status_t direct_chunk(struct mfsdp_ctx *ctx, size_t g, size_t *chun
     if (ce == 0) {
         MFSDP_WARN("MFSDP_STAGING_BYTES=%zu is too small for the direct reduce of group %s: a "
                    "one-element chunk needs %zu bytes (%zu owned tensors x %d slots x %zu ranks x "
-                   "%zu bytes, and %zu for the sharded tail and alignment)",
+                   "%zu bytes, and %zu for alignment)",
                    ctx->budget, ctx->manifest->groups[g].name, fixed + per, kmax,
                    MFSDP_SCHED_WINDOW, n, elt, fixed);
         return MFSDP_ERR_CONFIG;
