@@ -409,7 +409,7 @@ static mfsdp_status_t mpi_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
     MFSDP_CHECK_ARG(x != NULL && x->ops != NULL && x->gs != NULL);
     size_t n = x->ops->nops;
     if (n == 0) {
-        return MFSDP_OK;
+        return x->overlap != NULL ? x->overlap(x->overlap_arg) : MFSDP_OK;
     }
     if (n > INT_MAX) {
         return MFSDP_ERR_UNSUPPORTED;
@@ -423,6 +423,9 @@ static mfsdp_status_t mpi_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
         if (x->ops->ops[i].dep == -1) {
             MFSDP_CHECK_GOTO(post(&e, (long)i), st, out_wait);
         }
+    }
+    if (x->overlap != NULL) {
+        MFSDP_CHECK_GOTO(x->overlap(x->overlap_arg), st, out_wait);
     }
     while (e.active > 0) {
         int outcount = 0;

@@ -59,6 +59,12 @@ typedef struct mfsdp_xfer {
     const void *tail_send;
     void *tail_recv;
     size_t tail_count;
+    /* Local work of the caller that touches none of the op list's buffers (the owner's copy
+     * of its own tensors into FSDP's all-gather output), run while the transfers are in
+     * flight: the MPI transport calls it once every op without a dependency is posted, the
+     * NCCL transport before its first wave. NULL: none. */
+    mfsdp_status_t (*overlap)(void *arg);
+    void *overlap_arg;
 } mfsdp_xfer_t;
 
 /* One point-to-point transfer of a batch (all posted at once, one completion). */
