@@ -418,6 +418,18 @@ mfsdp_status_t mfsdp_sched_build(const mfsdp_group_sched_t *gs, int rank, mfsdp_
     return MFSDP_OK;
 }
 
+mfsdp_status_t mfsdp_sched_build_tail(mfsdp_sched_ops_t *ops_p)
+{
+    MFSDP_CHECK_ARG(ops_p != NULL);
+    mfsdp_sched_op_t *op = malloc(sizeof(*op));
+    if (op == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    *op = mkop(MFSDP_SCHED_TAIL, 0, 0, MFSDP_BUF_STAGE, 0, 0, SCHED_TAG_LIMIT - 1, -1);
+    *ops_p = (mfsdp_sched_ops_t){.nops = 1, .ops = op};
+    return MFSDP_OK;
+}
+
 void mfsdp_sched_ops_free(mfsdp_sched_ops_t *ops)
 {
     if (ops != NULL) {

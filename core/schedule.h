@@ -180,5 +180,8 @@ void mfsdp_group_sched_destroy(mfsdp_group_sched_t *gs);
 mfsdp_status_t mfsdp_sched_build(const mfsdp_group_sched_t *gs, int rank, mfsdp_sched_dir_t dir,
                                  mfsdp_algo_t algo, size_t chunk, mfsdp_sched_ops_t *ops_p);
 void mfsdp_sched_ops_free(mfsdp_sched_ops_t *ops);
+/* An op list of one TAIL op: the sharded-tail reduce's later passes when its fp32 staging is
+ * cut to fit the staging budget. */
+mfsdp_status_t mfsdp_sched_build_tail(mfsdp_sched_ops_t *ops_p);
 
 #endif /* MFSDP_CORE_SCHEDULE_H */

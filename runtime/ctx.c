@@ -67,64 +67,73 @@ static mfsdp_algo_t resolve_algo(mfsdp_algo_t opt, int cfg, int world)
     return world <= 8 ? MFSDP_ALGO_DIRECT : MFSDP_ALGO_CHAIN;
 }
 
-/* The direct reduce's chunk of group g (in the schedule's unit: 4 bytes per element), the
- * same on every rank: the most owned tensors with a gradient any rank has in the group, each
- * with a ring of MFSDP_SCHED_WINDOW slots of one chunk per rank, plus the sharded-tail
- * reduce's fp32 blocks, fit the staging budget (the rings alone when the tail does not). A
- * budget without room for one-element chunks is refused. */
-static mfsdp_status_t direct_chunk(struct mfsdp_ctx *ctx, size_t g, size_t *chunk_p)
+/* The reduce's staging plan of group g, the same on every rank: the sharded-tail reduce's
+ * fp32 blocks ((world + 1) x tail_pass floats) and, for direct, the chunk (in the schedule's
+ * unit, 4 bytes per element) such that the most owned tensors with a gradient any rank has in
+ * the group, each with a ring of MFSDP_SCHED_WINDOW slots of one chunk per rank, fit the
+ * staging budget with them. The tail goes in one pass when it fits beside one-element chunks,
+ * else in passes that take half of the room left beside them. A budget without room for both
+ * is refused. */
+static mfsdp_status_t reduce_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk_p,
+                                  size_t *tail_pass_p)
 {
     const mfsdp_group_sched_t *gs = ctx->groups[g].gs;
+    const char *gname = ctx->manifest->groups[g].name;
     size_t n = (size_t)ctx->world;
-    *chunk_p = ctx->chunk;
-    if (ctx->reduce_algo != MFSDP_ALGO_DIRECT || n == 1) {
-        return MFSDP_OK;
-    }
-    size_t *owned = calloc(n, sizeof(*owned));
-    if (owned == NULL) {
-        return MFSDP_ERR_NO_MEMORY;
-    }
     size_t kmax = 0;
-    for (size_t i = 0; i < gs->nsegs; i++) {
-        if (gs->segs[i].rs_entry >= 0) {
-            size_t k = ++owned[gs->segs[i].owner];
-            kmax = k > kmax ? k : kmax;
+    if (ctx->reduce_algo == MFSDP_ALGO_DIRECT && n > 1) {
+        size_t *owned = calloc(n, sizeof(*owned));
+        if (owned == NULL) {
+            return MFSDP_ERR_NO_MEMORY;
         }
-    }
-    free(owned);
-    if (kmax == 0) {
-        return MFSDP_OK;
+        for (size_t i = 0; i < gs->nsegs; i++) {
+            if (gs->segs[i].rs_entry >= 0) {
+                size_t k = ++owned[gs->segs[i].owner];
+                kmax = k > kmax ? k : kmax;
+            }
+        }
+        free(owned);
     }
     size_t elt = mfsdp_dtype_size(gs->layout->rs.dtype);
-    size_t tail = gs->tail_rs_elems * sizeof(float) * (n + 1) + 2 * MFSDP_ARENA_ALIGN;
-    size_t slack = (kmax + 1) * MFSDP_ARENA_ALIGN;
-    size_t per = kmax * MFSDP_SCHED_WINDOW * n * elt; /* bytes per element of chunk */
-    size_t fixed = tail + slack;
-    if (ctx->budget < fixed + per) {
-        /* The sharded tail alone leaves no room (it is not chunked; the creation warns that
-         * the group stages more than the budget): the rings get the budget. */
-        fixed = slack;
+    size_t per = kmax * MFSDP_SCHED_WINDOW * n * elt; /* ring bytes per chunk element */
+    size_t slack = (kmax + 3) * MFSDP_ARENA_ALIGN;
+    size_t tail_per = (n + 1) * sizeof(float); /* tail bytes per element of a pass */
+    size_t T = gs->tail_rs_elems;
+    size_t room = ctx->budget > slack + per ? ctx->budget - slack - per : 0;
+    size_t pass = T;
+    if (T != 0 && T > room / tail_per) {
+        pass = room / 2 / tail_per; /* passes get half the room, the rings the rest */
+        pass = pass != 0 ? pass : room / tail_per;
+        pass = pass < T ? pass : T;
     }
-    size_t ce = ctx->budget > fixed ? (ctx->budget - fixed) / per : 0;
+    size_t fixed = pass * tail_per + slack;
+    size_t ce = per == 0 ? 1 : ctx->budget > fixed ? (ctx->budget - fixed) / per : 0;
     if (ce > MFSDP_SCHED_MAX_MSG / sizeof(float)) {
         ce = MFSDP_SCHED_MAX_MSG / sizeof(float);
     }
-    if (ce == 0) {
-        MFSDP_WARN("MFSDP_STAGING_BYTES=%zu is too small for the direct reduce of group %s: a "
-                   "one-element chunk needs %zu bytes (%zu owned tensors x %d slots x %zu ranks x "
-                   "%zu bytes, and %zu for alignment)",
-                   ctx->budget, ctx->manifest->groups[g].name, fixed + per, kmax,
-                   MFSDP_SCHED_WINDOW, n, elt, fixed);
+    if ((T != 0 && pass == 0) || ce == 0) {
+        MFSDP_WARN("MFSDP_STAGING_BYTES=%zu is too small for the reduce of group %s: one "
+                   "sharded-tail element per pass needs %zu bytes, a one-element direct chunk "
+                   "%zu more (%zu owned tensors x %d slots x %zu ranks x %zu bytes), alignment "
+                   "%zu",
+                   ctx->budget, gname, T != 0 ? tail_per : 0, per, kmax, MFSDP_SCHED_WINDOW, n, elt,
+                   slack);
         return MFSDP_ERR_CONFIG;
     }
-    *chunk_p = ce * sizeof(float);
+    *chunk_p = per == 0 ? ctx->chunk : ce * sizeof(float);
+    *tail_pass_p = pass;
+    MFSDP_INFO(RUNTIME,
+               "group %s: staging budget %zu: direct chunks of %zu elements (%zu owned tensors "
+               "at most per rank), sharded tail of %zu elements per rank in passes of %zu",
+               gname, ctx->budget, per == 0 ? (size_t)0 : ce, kmax, T, pass);
     return MFSDP_OK;
 }
 
 static mfsdp_status_t build_ops(struct mfsdp_ctx *ctx, size_t g)
 {
     mfsdp_group_state_t *gst = &ctx->groups[g];
-    MFSDP_CHECK(direct_chunk(ctx, g, &gst->rs_chunk));
+    MFSDP_CHECK(reduce_plan(ctx, g, &gst->rs_chunk, &gst->tail_pass));
+    MFSDP_CHECK(mfsdp_sched_build_tail(&gst->tail_ops));
     MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_GATHER, ctx->gather_algo,
                                   ctx->chunk, &gst->ag_ops));
     MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_REDUCE, ctx->reduce_algo,
@@ -357,6 +366,7 @@ void mfsdp_ctx_free(struct mfsdp_ctx *ctx)
             mfsdp_group_state_t *gst = &ctx->groups[g];
             mfsdp_sched_ops_free(&gst->ag_ops);
             mfsdp_sched_ops_free(&gst->rs_ops);
+            mfsdp_sched_ops_free(&gst->tail_ops);
             mfsdp_group_sched_destroy(gst->gs);
             free(gst->bufs);
             for (size_t v = 0; v < gst->nvariants; v++) {

@@ -40,8 +40,10 @@ typedef struct mfsdp_group_state {
     int initialized;                    /* weights taken from the first all-gather */
     int micro;                          /* micro-steps accumulated since the last step */
     int64_t nsteps;                     /* optimizer steps run on this group (the schedule's t) */
-    size_t rs_chunk; /* the reduce schedule's chunk argument (direct: 4 x elements per chunk,
-                        sized to the staging budget; chain: ctx->chunk) */
+    size_t rs_chunk;  /* the reduce schedule's chunk argument (direct: 4 x elements per chunk,
+                         sized to the staging budget; chain: ctx->chunk) */
+    size_t tail_pass; /* sharded-tail reduce: elements per rank block per pass */
+    mfsdp_sched_ops_t tail_ops; /* its later passes (one TAIL op) */
 } mfsdp_group_state_t;
 
 struct mfsdp_ctx {

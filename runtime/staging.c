@@ -125,8 +125,10 @@ mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, const mfsd
     tail->send = tail->recv = NULL;
     if (gs->tail_rs_elems != 0) {
         /* Packed rank-major fp32 blocks: MPI cannot sum 16-bit floats, and Open MPI 4.1
-         * refuses MPI_SUM on a derived datatype that would address FSDP's buffer in place. */
-        size_t tb = mul_sat(&c, gs->tail_rs_elems, sizeof(float));
+         * refuses MPI_SUM on a derived datatype that would address FSDP's buffer in place.
+         * One pass's worth (the budget may cut the tail into passes). */
+        size_t pass = gs->tail_rs_elems < gst->tail_pass ? gs->tail_rs_elems : gst->tail_pass;
+        size_t tb = mul_sat(&c, pass, sizeof(float));
         tail->send = carve(&c, mul_sat(&c, tb, n));
         tail->recv = carve(&c, tb);
     }
