@@ -52,6 +52,9 @@
     X(ENUM, MFSDP_REDUCE_ALGO, reduce_algo, "auto", "auto|direct|chain|native",                    \
       "reduce-to-owner algorithm for the reduce-scatter")                                          \
     X(SIZE, MFSDP_CHAIN_CHUNK, chain_chunk, "1M", "", "chunk bytes of the chain pipeline")         \
+    X(SIZE, MFSDP_STAGING_BYTES, staging_bytes, "64M", "",                                         \
+      "communication staging per rank: the direct reduce-to-owner's chunks are sized so that "     \
+      "its ring of received chunks and the sharded-tail reduce fit (docs/PERFORMANCE.md)")         \
     X(STR, MFSDP_GRAD_DIVIDE, grad_divide, "", "",                                                 \
       "how owners turn a sum on the wire into the job's gradient, overriding the manifest's "      \
       "training.grad_divide: fsdp2 (FSDP2's rules), force_sum, world (divide by the world "        \

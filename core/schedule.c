@@ -239,41 +239,81 @@ static void gather_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
     }
 }
 
-static void reduce_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int rank, int n,
-                       mfsdp_algo_t algo, size_t chunk_elems, size_t max_elems)
+void mfsdp_sched_direct_ring(const mfsdp_group_sched_t *gs, const mfsdp_sched_seg_t *s,
+                             size_t chunk_elems, size_t *stride_p, size_t *nslots_p)
+{
+    size_t stride = 0, chunks = 0;
+    if (s->rs_entry >= 0 && chunk_elems != 0) {
+        const mfsdp_param_layout_t *e = &gs->layout->rs.entries[s->rs_entry];
+        size_t block = (size_t)e->c * (size_t)e->rest;
+        for (size_t j = 0; block != 0 && j * block < s->numel; j++) {
+            size_t piece = s->numel - j * block < block ? s->numel - j * block : block;
+            size_t longest = piece < chunk_elems ? piece : chunk_elems;
+            stride = longest > stride ? longest : stride;
+            chunks += (piece + chunk_elems - 1) / chunk_elems;
+        }
+    }
+    *stride_p = stride;
+    *nslots_p = chunks < MFSDP_SCHED_WINDOW ? chunks : MFSDP_SCHED_WINDOW;
+}
+
+static void reduce_ops(const mfsdp_group_sched_t *gs, oplist_t *l, const mfsdp_sched_seg_t *s,
+                       uint32_t si, int rank, int n, mfsdp_algo_t algo, size_t chunk_elems,
+                       size_t max_elems)
 {
     int tag = SCHED_TAGS_PER_SEG * (int)si;
     int o = s->owner;
     switch (algo) {
-    case MFSDP_ALGO_DIRECT:
-        if (rank != o) {
-            FOR_CHUNKS(off, len, s->numel, max_elems)
+    case MFSDP_ALGO_DIRECT: {
+        size_t stride, nslots;
+        mfsdp_sched_direct_ring(gs, s, chunk_elems, &stride, &nslots);
+        const mfsdp_buffer_layout_t *rs = &gs->layout->rs;
+        const mfsdp_param_layout_t *e = &rs->entries[s->rs_entry];
+        size_t block = (size_t)e->c * (size_t)e->rest; /* elements of one rank block */
+        long rel[MFSDP_SCHED_WINDOW];                  /* the sum that frees each slot */
+        size_t k = 0;
+        for (size_t j = 0; block != 0 && j * block < s->numel; j++) {
+            size_t piece = s->numel - j * block < block ? s->numel - j * block : block;
+            FOR_CHUNKS(po, len, piece, chunk_elems)
             {
-                mfsdp_sched_op_t op =
-                    mkop(MFSDP_SCHED_SEND, si, o, MFSDP_BUF_SRC, off, len, tag, -1);
-                push(l, &op);
+                size_t off = j * block + po;
+                size_t slot = k % MFSDP_SCHED_WINDOW;
+                int stag = tag + (int)slot;
+                int wave = (int)(k / MFSDP_SCHED_WINDOW);
+                mfsdp_sched_op_t op;
+                if (rank != o) {
+                    op = mkop(MFSDP_SCHED_SEND, si, o, MFSDP_BUF_RSIN, off, len, stag, -1);
+                    op.boff = j * rs->count + e->o_bytes / e->elt + po;
+                    op.wave = wave;
+                    push(l, &op);
+                    k++;
+                    continue;
+                }
+                long first = -1;
+                for (int r = 0; r < n; r++) {
+                    if (r == o) {
+                        continue;
+                    }
+                    op = mkop(MFSDP_SCHED_RECV, si, r, MFSDP_BUF_STAGE, off, len, stag,
+                              k >= MFSDP_SCHED_WINDOW ? rel[slot] : -1);
+                    op.slot = r;
+                    op.boff = (slot * (size_t)n + (size_t)r) * stride;
+                    op.wave = wave;
+                    long d = push(l, &op);
+                    first = first < 0 ? d : first;
+                }
+                op = mkop(MFSDP_SCHED_APPLY, si, o, MFSDP_BUF_STAGE, off, len, stag, first);
+                op.ndep = n - 1;
+                op.apply = MFSDP_APPLY_ORDERED;
+                op.boff = slot * (size_t)n * stride;
+                op.stride = stride;
+                op.wave = wave;
+                rel[slot] = push(l, &op);
+                k++;
             }
-            return;
-        }
-        for (int j = 0; j < n; j++) {
-            if (j == o) {
-                continue;
-            }
-            FOR_CHUNKS(off, len, s->numel, max_elems)
-            {
-                mfsdp_sched_op_t op =
-                    mkop(MFSDP_SCHED_RECV, si, j, MFSDP_BUF_STAGE, off, len, tag, -1);
-                op.slot = j;
-                push(l, &op);
-            }
-        }
-        {
-            mfsdp_sched_op_t op = mkop(MFSDP_SCHED_APPLY, si, o, MFSDP_BUF_STAGE, 0, s->numel, tag,
-                                       MFSDP_SCHED_DEP_ALL);
-            op.apply = MFSDP_APPLY_ORDERED;
-            push(l, &op);
         }
         return;
+    }
     case MFSDP_ALGO_CHAIN: {
         /* Partial sums flow 0 -> 1 -> ... -> n-1 (rank order, like direct), then the last
          * rank hands the full sum to the owner unless it is the owner. PIN (= POUT) and
@@ -350,6 +390,9 @@ mfsdp_status_t mfsdp_sched_build(const mfsdp_group_sched_t *gs, int rank, mfsdp_
     MFSDP_CHECK_ARG(algo == MFSDP_ALGO_DIRECT || algo == MFSDP_ALGO_CHAIN ||
                     algo == MFSDP_ALGO_NATIVE);
     MFSDP_CHECK_ARG(chunk >= sizeof(float));
+    /* A direct reduce's chunk is one message (at most chunk bytes at any reduce dtype). */
+    MFSDP_CHECK_ARG(dir != MFSDP_SCHED_DIR_REDUCE || algo != MFSDP_ALGO_DIRECT ||
+                    chunk <= MFSDP_SCHED_MAX_MSG);
     oplist_t l = {0};
     int n = gs->world;
     int has_tail = dir == MFSDP_SCHED_DIR_GATHER ? gs->tail_ag_bytes != 0 : gs->tail_rs_elems != 0;
@@ -363,7 +406,7 @@ mfsdp_status_t mfsdp_sched_build(const mfsdp_group_sched_t *gs, int rank, mfsdp_
         if (dir == MFSDP_SCHED_DIR_GATHER) {
             gather_ops(&l, s, (uint32_t)i, rank, n, algo, chunk);
         } else if (s->rs_entry >= 0) {
-            reduce_ops(&l, s, (uint32_t)i, rank, n, algo, chunk / sizeof(float),
+            reduce_ops(gs, &l, s, (uint32_t)i, rank, n, algo, chunk / sizeof(float),
                        MFSDP_SCHED_MAX_MSG / sizeof(float));
         }
     }
@@ -371,14 +414,31 @@ mfsdp_status_t mfsdp_sched_build(const mfsdp_group_sched_t *gs, int rank, mfsdp_
         free(l.v);
         return MFSDP_ERR_NO_MEMORY;
     }
-    ops_p->nops = l.n;
-    ops_p->ops = l.v;
+    *ops_p = (mfsdp_sched_ops_t){.nops = l.n, .ops = l.v};
+    return MFSDP_OK;
+}
+
+mfsdp_status_t mfsdp_sched_build_tail(mfsdp_sched_ops_t *ops_p)
+{
+    MFSDP_CHECK_ARG(ops_p != NULL);
+    mfsdp_sched_op_t *op = malloc(sizeof(*op));
+    if (op == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    *op = mkop(MFSDP_SCHED_TAIL, 0, 0, MFSDP_BUF_STAGE, 0, 0, SCHED_TAG_LIMIT - 1, -1);
+    *ops_p = (mfsdp_sched_ops_t){.nops = 1, .ops = op};
     return MFSDP_OK;
 }
 
 void mfsdp_sched_ops_free(mfsdp_sched_ops_t *ops)
 {
     if (ops != NULL) {
+        if (ops->tp_state != NULL && ops->tp_state_free != NULL) {
+            ops->tp_state_free(ops->tp_state);
+        }
+        ops->tp_state = NULL;
+        ops->tp_owner = NULL;
+        ops->tp_state_free = NULL;
         free(ops->ops);
         ops->ops = NULL;
         ops->nops = 0;

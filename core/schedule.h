@@ -15,10 +15,14 @@
  *   buffer  gather                         reduce
  *   SRC     owner's comm copy              direct: own packed contribution (reduce dtype);
  *                                          chain/native read FSDP's input in place
- *   STAGE   received full tensor           direct: slot per source rank (reduce dtype)
+ *   STAGE   received full tensor           direct: ring of chunk slots, each a sub-slot per
+ *                                          source rank (reduce dtype)
  *   PIN     -                              chain: partial sum from the previous rank (fp32)
  *   POUT    -                              chain/native: partial sum sent on (fp32)
  *   FINAL   -                              chain/native: the full sum on the owner (fp32)
+ *   RSIN    -                              direct: a contribution chunk read in place from
+ *                                          FSDP's reduce-scatter input (op->boff: its element
+ *                                          offset there; chunks never cross a rank block)
  */
 #ifndef MFSDP_CORE_SCHEDULE_H
 #define MFSDP_CORE_SCHEDULE_H
@@ -54,6 +58,7 @@ typedef enum mfsdp_sched_buf {
     MFSDP_BUF_PIN = 2,
     MFSDP_BUF_POUT = 3,
     MFSDP_BUF_FINAL = 4,
+    MFSDP_BUF_RSIN = 5, /* reduce: FSDP's reduce-scatter input, read in place */
 } mfsdp_sched_buf_t;
 
 /* How an APPLY op forms the reduced value before applying the op (avg / premulsum). */
@@ -77,6 +82,8 @@ typedef struct mfsdp_sched_op {
     size_t boff;           /* offset in the op's buffer: off, or the ring slot of a chain */
     int tag;
     long dep;                  /* op index to wait for before posting, -1, or DEP_ALL */
+    int ndep;                  /* > 1: wait for ops dep .. dep + ndep - 1 (all of them) */
+    size_t stride;             /* direct reduce APPLY: elements per source rank in a slot */
     int combine;               /* reduce SEND/REDUCE: first POUT = (dep ? PIN : 0) + own */
     int has_in;                /* combine/APPLY_LAST: a PIN chunk was received */
     mfsdp_sched_apply_t apply; /* APPLY variant */
@@ -114,6 +121,13 @@ typedef struct mfsdp_group_sched {
 typedef struct mfsdp_sched_ops {
     size_t nops;
     mfsdp_sched_op_t *ops;
+    /* What a transport derives from this op list once and reuses on every call (the MPI
+     * transport: request and dependency arrays, committed datatypes), built on the first run
+     * and released by tp_state_free(tp_state) in mfsdp_sched_ops_free(): its lifetime is the
+     * op list's. NULL until then; tp_owner names the transport kind that built it. */
+    void *tp_state;
+    const void *tp_owner;
+    void (*tp_state_free)(void *state);
 } mfsdp_sched_ops_t;
 
 /* Units of a chain's ring buffer for a tensor of total units: min(total, WINDOW chunks). */
@@ -122,6 +136,13 @@ static inline size_t mfsdp_sched_ring(size_t total, size_t chunk_units)
     size_t ring = chunk_units * MFSDP_SCHED_WINDOW;
     return ring / MFSDP_SCHED_WINDOW != chunk_units || ring > total ? total : ring;
 }
+
+/* The direct reduce's pipeline on a segment's owner, for chunks of at most chunk_elems
+ * elements (cut at FSDP's rank blocks): *stride_p elements per source rank in a ring slot
+ * (the longest chunk), *nslots_p slots (min(WINDOW, chunks)). The owner's STAGE is nslots x
+ * world x stride elements of the reduce dtype. */
+void mfsdp_sched_direct_ring(const mfsdp_group_sched_t *gs, const mfsdp_sched_seg_t *s,
+                             size_t chunk_elems, size_t *stride_p, size_t *nslots_p);
 
 /* Segments and tail of group g of the plan. */
 mfsdp_status_t mfsdp_group_sched_create(const mfsdp_plan_t *plan, size_t g,
@@ -137,8 +158,12 @@ void mfsdp_group_sched_destroy(mfsdp_group_sched_t *gs);
  * Op list of rank for one direction and algorithm (DIRECT, CHAIN or NATIVE; AUTO is
  * rejected: resolve it first). chunk: pipeline chunk of CHAIN in bytes (>= 4).
  *  - DIRECT gather: the owner sends its copy to each rank in rank order; others receive.
- *    DIRECT reduce: every rank sends its contribution to the owner; the owner receives one
- *    slot per rank, then (DEP_ALL) sums rank 0..n-1 in fp32.
+ *    DIRECT reduce: a pipeline of chunks of at most chunk / 4 elements, cut at FSDP's rank
+ *    blocks: every rank sends each chunk of its contribution straight from FSDP's input
+ *    (RSIN) to the owner; the owner receives chunk k from every other rank into ring slot
+ *    k % WINDOW (one tag per slot) and, once all have arrived (ndep), sums rank 0..n-1 in
+ *    fp32 (its own chunk read in place) into the gradient; chunk k + WINDOW's receives wait
+ *    for that sum. Chunk k is wave k / WINDOW.
  *  - CHAIN gather: owner -> owner+1 -> ... (mod n), chunked; each rank copies a chunk out
  *    and forwards it as soon as it arrived. CHAIN reduce: an fp32 partial sum flows
  *    0 -> 1 -> ... -> n-1 (each adds its contribution, so the sum is in rank order) and then
@@ -146,14 +171,17 @@ void mfsdp_group_sched_destroy(mfsdp_group_sched_t *gs);
  *    whole tensor.
  *  - NATIVE: one broadcast / one fp32 reduce per segment (split at MFSDP_SCHED_MAX_MSG).
  * A group with a sharded tail gets one TAIL op first. All ops of a group are meant to be
- * in flight together (one completion loop), or run wave by wave (op->wave): direct and native
- * are one wave; a chain hop h (rank h-1 to h in the reduce, position h-1 to h from the owner
- * in the gather; the reduce's last hop to the owner is h = n) of the chunks of window w
+ * in flight together (one completion loop), or run wave by wave (op->wave): the direct gather
+ * and native are one wave; a chain hop h (rank h-1 to h in the reduce, position h-1 to h from the
+ * owner in the gather; the reduce's last hop to the owner is h = n) of the chunks of window w
  * (chunk index / MFSDP_SCHED_WINDOW) is wave h - 1 + 2w, so a ring slot is sent on (wave
  * h + 2(w-1)) before its next chunk arrives (wave h - 1 + 2w).
  */
 mfsdp_status_t mfsdp_sched_build(const mfsdp_group_sched_t *gs, int rank, mfsdp_sched_dir_t dir,
                                  mfsdp_algo_t algo, size_t chunk, mfsdp_sched_ops_t *ops_p);
 void mfsdp_sched_ops_free(mfsdp_sched_ops_t *ops);
+/* An op list of one TAIL op: the sharded-tail reduce's later passes when its fp32 staging is
+ * cut to fit the staging budget. */
+mfsdp_status_t mfsdp_sched_build_tail(mfsdp_sched_ops_t *ops_p);
 
 #endif /* MFSDP_CORE_SCHEDULE_H */

@@ -28,6 +28,36 @@ void mfsdp_ctx_geom(const mfsdp_buffer_layout_t *b, const mfsdp_param_layout_t *
     geom->offset = e->o_bytes;
 }
 
+/* The owner's copies of its own tensors into FSDP's all-gather output (one strided copy each,
+ * padding rows zeroed): pieces no transfer of the call reads or writes, so this runs while
+ * the transfers are in flight (mfsdp_xfer_t.overlap). */
+typedef struct unpack_arg {
+    struct mfsdp_ctx *ctx;
+    const mfsdp_group_sched_t *gs;
+    const mfsdp_xfer_bufs_t *bufs;
+    void *recvbuf;
+} unpack_arg_t;
+
+static mfsdp_status_t unpack_owned(void *arg)
+{
+    const unpack_arg_t *a = arg;
+    const mfsdp_buffer_layout_t *ag = &a->gs->layout->ag;
+    for (size_t i = 0; i < a->gs->nsegs; i++) {
+        const mfsdp_sched_seg_t *s = &a->gs->segs[i];
+        if (s->owner != a->ctx->rank) {
+            continue;
+        }
+        if (a->bufs[i].src == NULL) {
+            MFSDP_WARN("segment %zu: the owner has no copy of its tensor", i);
+            return MFSDP_ERR_INTERNAL;
+        }
+        mfsdp_strided_geom_t geom;
+        mfsdp_ctx_geom(ag, &ag->entries[s->param], a->ctx->world, &geom);
+        MFSDP_CHECK(a->ctx->exec->ops->unpack(a->ctx->exec, a->recvbuf, a->bufs[i].src, &geom));
+    }
+    return MFSDP_OK;
+}
+
 /* First all-gather of a group: the weights come from each rank's FSDP shard. Owned tensors
  * are gathered onto their owners (one point-to-point batch), sharded-tail slices are kept. */
 static mfsdp_status_t take_initial_weights(struct mfsdp_ctx *ctx, size_t g, const char *send)
@@ -159,6 +189,7 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
         MFSDP_CHECK(ctx->exec->ops->copy(ctx->exec, (char *)tb.send + toff, mine, e->s_bytes));
         toff += e->s_bytes;
     }
+    unpack_arg_t ua = {ctx, gs, gst->bufs, recvbuf};
     mfsdp_xfer_t x = {
         .exec = ctx->exec,
         .dir = MFSDP_SCHED_DIR_GATHER,
@@ -169,16 +200,21 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
         .tail_send = tb.send,
         .tail_recv = tb.recv,
         .tail_count = gs->tail_ag_bytes,
+        .overlap = unpack_owned,
+        .overlap_arg = &ua,
     };
     MFSDP_CHECK(ctx->tp->ops->run(ctx->tp, &x));
 
-    /* Unpack: one strided copy per tensor (padding rows zeroed), or only the padding for
-     * tensors received in place, and the tail. */
+    /* Unpack: one strided copy per received tensor that was staged (padding rows zeroed), or
+     * only the padding for tensors received in place, and the tail. The own tensors were
+     * unpacked while the transfers ran. */
     for (size_t i = 0; i < gs->nsegs; i++) {
         const mfsdp_sched_seg_t *s = &gs->segs[i];
-        const void *full = s->owner == ctx->rank                  ? gst->bufs[i].src
-                           : ctx->gather_algo == MFSDP_ALGO_CHAIN ? NULL /* copied out */
-                                                                  : gst->bufs[i].stage;
+        if (s->owner == ctx->rank) {
+            continue;
+        }
+        const void *full = ctx->gather_algo == MFSDP_ALGO_CHAIN ? NULL /* copied out */
+                                                                : gst->bufs[i].stage;
         if (full != NULL) {
             mfsdp_strided_geom_t geom;
             mfsdp_ctx_geom(ag, &ag->entries[s->param], ctx->world, &geom);

@@ -67,12 +67,77 @@ static mfsdp_algo_t resolve_algo(mfsdp_algo_t opt, int cfg, int world)
     return world <= 8 ? MFSDP_ALGO_DIRECT : MFSDP_ALGO_CHAIN;
 }
 
-static mfsdp_status_t build_ops(struct mfsdp_ctx *ctx, mfsdp_group_state_t *gst)
+/* The reduce's staging plan of group g, the same on every rank: the sharded-tail reduce's
+ * fp32 blocks ((world + 1) x tail_pass floats) and, for direct, the chunk (in the schedule's
+ * unit, 4 bytes per element) such that the most owned tensors with a gradient any rank has in
+ * the group, each with a ring of MFSDP_SCHED_WINDOW slots of one chunk per rank, fit the
+ * staging budget with them. The tail goes in one pass when it fits beside one-element chunks,
+ * else in passes that take half of the room left beside them. A budget without room for both
+ * is refused. */
+static mfsdp_status_t reduce_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk_p,
+                                  size_t *tail_pass_p)
 {
+    const mfsdp_group_sched_t *gs = ctx->groups[g].gs;
+    const char *gname = ctx->manifest->groups[g].name;
+    size_t n = (size_t)ctx->world;
+    size_t kmax = 0;
+    if (ctx->reduce_algo == MFSDP_ALGO_DIRECT && n > 1) {
+        size_t *owned = calloc(n, sizeof(*owned));
+        if (owned == NULL) {
+            return MFSDP_ERR_NO_MEMORY;
+        }
+        for (size_t i = 0; i < gs->nsegs; i++) {
+            if (gs->segs[i].rs_entry >= 0) {
+                size_t k = ++owned[gs->segs[i].owner];
+                kmax = k > kmax ? k : kmax;
+            }
+        }
+        free(owned);
+    }
+    size_t elt = mfsdp_dtype_size(gs->layout->rs.dtype);
+    size_t per = kmax * MFSDP_SCHED_WINDOW * n * elt; /* ring bytes per chunk element */
+    size_t slack = (kmax + 3) * MFSDP_ARENA_ALIGN;
+    size_t tail_per = (n + 1) * sizeof(float); /* tail bytes per element of a pass */
+    size_t T = gs->tail_rs_elems;
+    size_t room = ctx->budget > slack + per ? ctx->budget - slack - per : 0;
+    size_t pass = T;
+    if (T != 0 && T > room / tail_per) {
+        pass = room / 2 / tail_per; /* passes get half the room, the rings the rest */
+        pass = pass != 0 ? pass : room / tail_per;
+        pass = pass < T ? pass : T;
+    }
+    size_t fixed = pass * tail_per + slack;
+    size_t ce = per == 0 ? 1 : ctx->budget > fixed ? (ctx->budget - fixed) / per : 0;
+    if (ce > MFSDP_SCHED_MAX_MSG / sizeof(float)) {
+        ce = MFSDP_SCHED_MAX_MSG / sizeof(float);
+    }
+    if ((T != 0 && pass == 0) || ce == 0) {
+        MFSDP_WARN("MFSDP_STAGING_BYTES=%zu is too small for the reduce of group %s: one "
+                   "sharded-tail element per pass needs %zu bytes, a one-element direct chunk "
+                   "%zu more (%zu owned tensors x %d slots x %zu ranks x %zu bytes), alignment "
+                   "%zu",
+                   ctx->budget, gname, T != 0 ? tail_per : 0, per, kmax, MFSDP_SCHED_WINDOW, n, elt,
+                   slack);
+        return MFSDP_ERR_CONFIG;
+    }
+    *chunk_p = per == 0 ? ctx->chunk : ce * sizeof(float);
+    *tail_pass_p = pass;
+    MFSDP_INFO(RUNTIME,
+               "group %s: staging budget %zu: direct chunks of %zu elements (%zu owned tensors "
+               "at most per rank), sharded tail of %zu elements per rank in passes of %zu",
+               gname, ctx->budget, per == 0 ? (size_t)0 : ce, kmax, T, pass);
+    return MFSDP_OK;
+}
+
+static mfsdp_status_t build_ops(struct mfsdp_ctx *ctx, size_t g)
+{
+    mfsdp_group_state_t *gst = &ctx->groups[g];
+    MFSDP_CHECK(reduce_plan(ctx, g, &gst->rs_chunk, &gst->tail_pass));
+    MFSDP_CHECK(mfsdp_sched_build_tail(&gst->tail_ops));
     MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_GATHER, ctx->gather_algo,
                                   ctx->chunk, &gst->ag_ops));
     MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_REDUCE, ctx->reduce_algo,
-                                  ctx->chunk, &gst->rs_ops));
+                                  gst->rs_chunk, &gst->rs_ops));
     return MFSDP_OK;
 }
 
@@ -101,6 +166,7 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
                    sizeof(float));
         return MFSDP_ERR_INVALID_ARG;
     }
+    ctx->budget = opts->staging_bytes != 0 ? opts->staging_bytes : cfg->staging_bytes;
     ctx->accum = opts->accum_steps > 0 ? opts->accum_steps : set.micro_steps;
     if (cfg->threads_set) {
         mfsdp_gemm_set_threads((int)cfg->threads); /* MFSDP_THREADS: process-wide BLAS */
@@ -177,7 +243,7 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
         for (size_t i = 0; i < gd->nparams; i++) {
             gst->full[i] = gd->params[i].requires_grad ? 1 : 0;
         }
-        MFSDP_CHECK(build_ops(ctx, gst));
+        MFSDP_CHECK(build_ops(ctx, g));
     }
     ctx->awaiting = -1;
     ctx->replicate = manifest->replicate > 1 ? manifest->replicate : 1;
@@ -202,6 +268,15 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
         MFSDP_CHECK(mfsdp_ctx_bind_reduce(ctx, g, ctx->groups[g].gs, NULL, &need_rs, &tb));
         stage = need_ag > stage ? need_ag : stage;
         stage = need_rs > stage ? need_rs : stage;
+        /* The direct reduce is sized to the budget; what else a call stages is not chunked
+         * (chain: WINDOW chunks per tensor; native: each tensor in fp32; gathers of tensors
+         * over 1 GiB whole): said once, not refused. */
+        if ((need_ag > ctx->budget || need_rs > ctx->budget) && ctx->rank == 0) {
+            MFSDP_WARN("group %s stages %zu bytes per rank (all-gather %zu, reduce %zu), above "
+                       "MFSDP_STAGING_BYTES=%zu: only the direct reduce is held to it",
+                       manifest->groups[g].name, need_ag > need_rs ? need_ag : need_rs, need_ag,
+                       need_rs, ctx->budget);
+        }
     }
     size_t ws = 0;
     for (size_t i = 0; i < ctx->plan->nshards; i++) {
@@ -291,6 +366,7 @@ void mfsdp_ctx_free(struct mfsdp_ctx *ctx)
             mfsdp_group_state_t *gst = &ctx->groups[g];
             mfsdp_sched_ops_free(&gst->ag_ops);
             mfsdp_sched_ops_free(&gst->rs_ops);
+            mfsdp_sched_ops_free(&gst->tail_ops);
             mfsdp_group_sched_destroy(gst->gs);
             free(gst->bufs);
             for (size_t v = 0; v < gst->nvariants; v++) {
@@ -422,6 +498,8 @@ mfsdp_status_t mfsdp_ctx_get_stats(mfsdp_ctx_h ctx, mfsdp_ctx_stats_t *stats_p)
     s.last_grad_norm = ctx->last_norm;
     s.gather_algo = ctx->gather_algo;
     s.reduce_algo = ctx->reduce_algo;
+    s.comm_staging_bytes = ctx->stage_bytes;
+    s.staging_budget = ctx->budget;
     s.step_mode = ctx->mode;
     s.accum_steps = ctx->accum;
     *stats_p = s;

@@ -40,6 +40,10 @@ typedef struct mfsdp_group_state {
     int initialized;                    /* weights taken from the first all-gather */
     int micro;                          /* micro-steps accumulated since the last step */
     int64_t nsteps;                     /* optimizer steps run on this group (the schedule's t) */
+    size_t rs_chunk;  /* the reduce schedule's chunk argument (direct: 4 x elements per chunk,
+                         sized to the staging budget; chain: ctx->chunk) */
+    size_t tail_pass; /* sharded-tail reduce: elements per rank block per pass */
+    mfsdp_sched_ops_t tail_ops; /* its later passes (one TAIL op) */
 } mfsdp_group_state_t;
 
 struct mfsdp_ctx {
@@ -63,6 +67,7 @@ struct mfsdp_ctx {
     mfsdp_algo_t gather_algo;
     mfsdp_algo_t reduce_algo;
     size_t chunk;
+    size_t budget; /* staging bytes per rank the direct reduce's chunks are sized to */
     mfsdp_step_mode_t mode;
     int accum;
     double clip;

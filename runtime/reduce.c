@@ -17,7 +17,7 @@
  * the full set, else a variant built the first time that subset is seen (every rank sees
  * the same subsets in the same order, so every rank builds the same variants). */
 static mfsdp_status_t rs_variant(struct mfsdp_ctx *ctx, size_t g, const unsigned char *has_grad,
-                                 const mfsdp_group_sched_t **gs_p, const mfsdp_sched_ops_t **ops_p)
+                                 const mfsdp_group_sched_t **gs_p, mfsdp_sched_ops_t **ops_p)
 {
     mfsdp_group_state_t *gst = &ctx->groups[g];
     const mfsdp_group_desc_t *gd = &ctx->manifest->groups[g];
@@ -54,7 +54,7 @@ static mfsdp_status_t rs_variant(struct mfsdp_ctx *ctx, size_t g, const unsigned
     memcpy(v->mask, has_grad, np);
     MFSDP_CHECK_GOTO(mfsdp_group_sched_create_masked(ctx->plan, g, has_grad, &v->gs), st, err);
     MFSDP_CHECK_GOTO(mfsdp_sched_build(v->gs, ctx->rank, MFSDP_SCHED_DIR_REDUCE, ctx->reduce_algo,
-                                       ctx->chunk, &v->rs_ops),
+                                       gst->rs_chunk, &v->rs_ops),
                      st, err);
     size_t need;
     mfsdp_tail_bufs_t tb;
@@ -72,6 +72,78 @@ err:
     mfsdp_group_sched_destroy(v->gs);
     free(v->mask);
     return st;
+}
+
+/* Sharded-tail elements [a, b) of every rank block of FSDP's input, packed rank-major in fp32
+ * with the premul factor applied (the tail block is the group's tail slices in order). */
+static mfsdp_status_t tail_pack(struct mfsdp_ctx *ctx, const mfsdp_group_sched_t *gs,
+                                const void *sendbuf, mfsdp_dtype_t dtype, mfsdp_redop_t op,
+                                float sc, size_t a, size_t b, float *dst)
+{
+    const mfsdp_buffer_layout_t *rs = &gs->layout->rs;
+    size_t elt = mfsdp_dtype_size(dtype);
+    for (int r = 0; r < ctx->world; r++) {
+        size_t t = 0; /* the slice's offset in the tail block */
+        for (size_t k = 0; k < gs->ntail; k++) {
+            long e = gs->layout->rs_entry[gs->tail[k]];
+            if (e < 0) {
+                continue;
+            }
+            const mfsdp_param_layout_t *pe = &rs->entries[e];
+            size_t lo = a > t ? a : t, hi = b < t + (size_t)pe->s ? b : t + (size_t)pe->s;
+            if (lo < hi) {
+                const char *src =
+                    (const char *)sendbuf + (size_t)r * rs->bytes + pe->o_bytes + (lo - t) * elt;
+                MFSDP_CHECK(
+                    ctx->exec->ops->combine(ctx->exec, dst, NULL, src, dtype, hi - lo, op, sc));
+                dst += hi - lo;
+            }
+            t += (size_t)pe->s;
+        }
+    }
+    return MFSDP_OK;
+}
+
+/* The reduced tail elements [a, b) (sum): into the slices' gradients and, as the value FSDP's
+ * native collective would have produced in the reduce dtype, into the output shard (through
+ * scratch, at least b - a floats). */
+static mfsdp_status_t tail_apply(struct mfsdp_ctx *ctx, size_t group, const mfsdp_group_sched_t *gs,
+                                 void *recvbuf, mfsdp_dtype_t dtype, mfsdp_redop_t op, double post,
+                                 size_t a, size_t b, const float *sum, float *scratch)
+{
+    const mfsdp_buffer_layout_t *rs = &gs->layout->rs;
+    size_t elt = mfsdp_dtype_size(dtype);
+    int n = ctx->world;
+    size_t t = 0;
+    for (size_t k = 0; k < gs->ntail; k++) {
+        size_t pi = gs->tail[k];
+        long e = gs->layout->rs_entry[pi];
+        if (e < 0) {
+            continue;
+        }
+        const mfsdp_param_layout_t *pe = &rs->entries[e];
+        size_t lo = a > t ? a : t, hi = b < t + (size_t)pe->s ? b : t + (size_t)pe->s;
+        if (lo < hi) {
+            size_t len = hi - lo;
+            float *grad = mfsdp_ctx_grad_target(ctx, ctx->plan->group_first[group] + pi);
+            if (grad != NULL) { /* NULL under tail "job": the job keeps its own gradient */
+                MFSDP_CHECK(ctx->exec->ops->apply(ctx->exec, grad + (lo - t), sum, len, op, n));
+            }
+            MFSDP_CHECK(ctx->exec->ops->copy(ctx->exec, scratch, sum, len * sizeof(float)));
+            if (op == MFSDP_OP_AVG) {
+                MFSDP_CHECK(ctx->exec->ops->scale(ctx->exec, scratch, len, 1.0f / (float)n));
+            }
+            if (post != 1.0) {
+                MFSDP_CHECK(ctx->exec->ops->scale(ctx->exec, scratch, len, (float)post));
+            }
+            MFSDP_CHECK(ctx->exec->ops->cast(ctx->exec,
+                                             (char *)recvbuf + pe->o_bytes + (lo - t) * elt, dtype,
+                                             scratch, MFSDP_FLOAT32, len));
+            sum += len;
+        }
+        t += (size_t)pe->s;
+    }
+    return MFSDP_OK;
 }
 
 mfsdp_status_t mfsdp_ctx_reduce(mfsdp_ctx_h ctx, size_t group, const void *sendbuf, void *recvbuf,
@@ -107,7 +179,7 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
         return MFSDP_ERR_STATE;
     }
     const mfsdp_group_sched_t *gs = NULL;
-    const mfsdp_sched_ops_t *rs_ops = NULL;
+    mfsdp_sched_ops_t *rs_ops = NULL;
     MFSDP_CHECK(rs_variant(ctx, group, has_grad, &gs, &rs_ops));
     const mfsdp_buffer_layout_t *rs = &gs->layout->rs;
     int n = ctx->world;
@@ -156,83 +228,51 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
     mfsdp_divide_fold(n, post, &op, &scalar);
     float sc = op == MFSDP_OP_PREMULSUM ? (float)scalar : 1.0f;
 
-    /* Direct: own contributions (each tensor's full local gradient) packed once. */
-    for (size_t i = 0; i < gs->nsegs; i++) {
-        const mfsdp_sched_seg_t *s = &gs->segs[i];
-        if (s->rs_entry < 0 || gst->bufs[i].src == NULL) {
-            continue;
-        }
-        mfsdp_strided_geom_t geom;
-        mfsdp_ctx_geom(rs, &rs->entries[s->rs_entry], n, &geom);
-        MFSDP_CHECK(ctx->exec->ops->pack(ctx->exec, gst->bufs[i].src, sendbuf, &geom));
+    /* The sharded tail in passes of at most gst->tail_pass elements per rank block (one pass
+     * unless the staging budget cut it): pass 0 rides with the owner segments' op list, the
+     * others run alone. */
+    size_t T = gs->tail_rs_elems;
+    size_t P = T < gst->tail_pass ? T : gst->tail_pass;
+    if (T != 0 && (P == 0 || tb.send == NULL || tb.recv == NULL)) {
+        MFSDP_WARN("reduce of group %s: no staging for the sharded tail", gname);
+        return MFSDP_ERR_INTERNAL;
     }
-    /* Sharded tail: rank-major fp32 blocks with the premul factor applied. */
-    if (tb.send != NULL) {
-        float *dst = tb.send;
-        for (int r = 0; r < n; r++) {
-            for (size_t k = 0; k < gs->ntail; k++) {
-                long e = gs->layout->rs_entry[gs->tail[k]];
-                if (e < 0) {
-                    continue;
-                }
-                const mfsdp_param_layout_t *pe = &rs->entries[e];
-                const char *src = (const char *)sendbuf + (size_t)r * rs->bytes + pe->o_bytes;
-                MFSDP_CHECK(ctx->exec->ops->combine(ctx->exec, dst, NULL, src, dtype, (size_t)pe->s,
-                                                    op, sc));
-                dst += pe->s;
-            }
+    for (size_t a = 0; a < T || a == 0; a += P) {
+        size_t b = T - a < P ? T : a + P; /* tail elements [a, b) of every rank block */
+        if (T != 0) {
+            MFSDP_CHECK(tail_pack(ctx, gs, sendbuf, dtype, op, sc, a, b, tb.send));
+        }
+        mfsdp_xfer_t x = {
+            .exec = ctx->exec,
+            .dir = MFSDP_SCHED_DIR_REDUCE,
+            .gs = gs,
+            .ops = a == 0 ? rs_ops : &gst->tail_ops,
+            .bufs = gst->bufs,
+            .dtype = dtype,
+            .op = op,
+            .scalar = sc,
+            .rs_in = sendbuf,
+            .tail_send = tb.send,
+            .tail_recv = tb.recv,
+            .tail_count = b - a,
+        };
+        MFSDP_CHECK(ctx->tp->ops->run(ctx->tp, &x));
+        if (T != 0) {
+            MFSDP_CHECK(
+                tail_apply(ctx, group, gs, recvbuf, dtype, op, post, a, b, tb.recv, tb.send));
+        }
+        if (T == 0) {
+            break;
         }
     }
-    mfsdp_xfer_t x = {
-        .exec = ctx->exec,
-        .dir = MFSDP_SCHED_DIR_REDUCE,
-        .gs = gs,
-        .ops = rs_ops,
-        .bufs = gst->bufs,
-        .dtype = dtype,
-        .op = op,
-        .scalar = sc,
-        .rs_in = sendbuf,
-        .tail_send = tb.send,
-        .tail_recv = tb.recv,
-        .tail_count = gs->tail_rs_elems,
-    };
-    MFSDP_CHECK(ctx->tp->ops->run(ctx->tp, &x));
 
-    /* FSDP's output shard: zero for owner-managed bytes, the reduced slice for the tail. */
+    /* FSDP's output shard: zero for owner-managed bytes. */
     for (size_t i = 0; i < gs->nsegs; i++) {
         long e = gs->segs[i].rs_entry;
         if (e >= 0) {
             MFSDP_CHECK(ctx->exec->ops->zero(ctx->exec, (char *)recvbuf + rs->entries[e].o_bytes,
                                              rs->entries[e].s_bytes));
         }
-    }
-    const float *sum = tb.recv;
-    for (size_t k = 0; k < gs->ntail; k++) {
-        size_t pi = gs->tail[k];
-        long e = gs->layout->rs_entry[pi];
-        if (e < 0) {
-            continue;
-        }
-        const mfsdp_param_layout_t *pe = &rs->entries[e];
-        size_t shard = ctx->plan->group_first[group] + pi;
-        float *grad = mfsdp_ctx_grad_target(ctx, shard);
-        if (grad != NULL) { /* NULL under tail "job": the job keeps its own gradient */
-            MFSDP_CHECK(ctx->exec->ops->apply(ctx->exec, grad, sum, (size_t)pe->s, op, n));
-        }
-        /* The value FSDP's native collective would have produced, in the reduce dtype
-         * (the send staging is free again and at least world times this size). */
-        float *val = tb.send;
-        MFSDP_CHECK(ctx->exec->ops->copy(ctx->exec, val, sum, (size_t)pe->s * sizeof(float)));
-        if (op == MFSDP_OP_AVG) {
-            MFSDP_CHECK(ctx->exec->ops->scale(ctx->exec, val, (size_t)pe->s, 1.0f / (float)n));
-        }
-        if (post != 1.0) {
-            MFSDP_CHECK(ctx->exec->ops->scale(ctx->exec, val, (size_t)pe->s, (float)post));
-        }
-        MFSDP_CHECK(ctx->exec->ops->cast(ctx->exec, (char *)recvbuf + pe->o_bytes, dtype, val,
-                                         MFSDP_FLOAT32, (size_t)pe->s));
-        sum += pe->s;
     }
     ctx->reduces++;
     gst->last_rs = gs;

@@ -89,18 +89,17 @@ mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, const mfsd
         }
         int own = s->owner == ctx->rank;
         size_t fbytes = mul_sat(&c, s->numel, sizeof(float));
-        if (ctx->reduce_algo == MFSDP_ALGO_DIRECT) {
-            /* Sent as one message (or summed from one slot): packed once. Chain and native
-             * read the contribution in place from FSDP's buffer. */
-            b->src = carve(&c, mul_sat(&c, s->numel, elt));
-        }
+        /* Every algorithm reads the own contribution in place from FSDP's buffer. */
         if (own) {
             b->grad = mfsdp_ctx_grad_target(ctx, s->shard);
         }
         switch (ctx->reduce_algo) {
         case MFSDP_ALGO_DIRECT:
-            if (own) {
-                b->stage = carve(&c, mul_sat(&c, mul_sat(&c, s->numel, elt), n));
+            if (own && n > 1) {
+                /* The chunk pipeline's ring: slots of one chunk per source rank. */
+                size_t stride, nslots;
+                mfsdp_sched_direct_ring(gs, s, gst->rs_chunk / sizeof(float), &stride, &nslots);
+                b->stage = carve(&c, mul_sat(&c, mul_sat(&c, mul_sat(&c, stride, n), nslots), elt));
             }
             break;
         case MFSDP_ALGO_CHAIN: {
@@ -126,8 +125,10 @@ mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, const mfsd
     tail->send = tail->recv = NULL;
     if (gs->tail_rs_elems != 0) {
         /* Packed rank-major fp32 blocks: MPI cannot sum 16-bit floats, and Open MPI 4.1
-         * refuses MPI_SUM on a derived datatype that would address FSDP's buffer in place. */
-        size_t tb = mul_sat(&c, gs->tail_rs_elems, sizeof(float));
+         * refuses MPI_SUM on a derived datatype that would address FSDP's buffer in place.
+         * One pass's worth (the budget may cut the tail into passes). */
+        size_t pass = gs->tail_rs_elems < gst->tail_pass ? gs->tail_rs_elems : gst->tail_pass;
+        size_t tb = mul_sat(&c, pass, sizeof(float));
         tail->send = carve(&c, mul_sat(&c, tb, n));
         tail->recv = carve(&c, tb);
     }

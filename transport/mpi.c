@@ -11,6 +11,7 @@
 #include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "core/checks.h"
 
@@ -19,14 +20,27 @@ typedef struct mpi_transport {
     MPI_Comm comm;
 } mpi_transport_t;
 
+/* What one op list needs on every run, built on its first run and kept in the op list
+ * (mfsdp_sched_ops_t.tp_state) until the op list is freed: no allocation and no datatype
+ * creation per call. */
+typedef struct mpi_cache {
+    size_t nops;
+    MPI_Request *reqs;
+    size_t *cfirst; /* children of op i (ops that wait for it): clist[cfirst[i], cfirst[i+1]) */
+    long *clist;    /* ... in op-list order */
+    int *ndeps;     /* ops each op waits for */
+    int *pending;   /* per run: those not completed yet */
+    int *idx;
+    const void **srcv;   /* world entries: the sources of a direct reduce's ordered sum */
+    MPI_Datatype *types; /* per op: its receive datatype into FSDP's all-gather output */
+    MPI_Datatype tail;   /* one rank block's sharded-tail pieces in that output */
+} mpi_cache_t;
+
 /* Per-run state of the completion loop. */
 typedef struct engine {
     mpi_transport_t *t;
     const mfsdp_xfer_t *x;
-    MPI_Request *reqs;
-    long *child;   /* first op depending on op i, -1 */
-    long *sibling; /* next op with the same dependency, -1 */
-    int *idx;
+    mpi_cache_t *c;
     size_t active;
 } engine_t;
 
@@ -34,17 +48,133 @@ static mfsdp_status_t post(engine_t *e, long i);
 
 static mfsdp_status_t post_children(engine_t *e, long i)
 {
-    for (long c = e->child[i]; c >= 0; c = e->sibling[c]) {
-        MFSDP_CHECK(post(e, c));
+    for (size_t k = e->c->cfirst[i]; k < e->c->cfirst[i + 1]; k++) {
+        long c = e->c->clist[k];
+        if (--e->c->pending[c] == 0) {
+            MFSDP_CHECK(post(e, c));
+        }
     }
     return MFSDP_OK;
 }
 
+static void cache_free(void *state)
+{
+    mpi_cache_t *c = state;
+    if (c == NULL) {
+        return;
+    }
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) { /* after MPI_Finalize MPI has released them itself */
+        for (size_t i = 0; c->types != NULL && i < c->nops; i++) {
+            if (c->types[i] != MPI_DATATYPE_NULL) {
+                MPI_Type_free(&c->types[i]);
+            }
+        }
+        if (c->tail != MPI_DATATYPE_NULL) {
+            MPI_Type_free(&c->tail);
+        }
+    }
+    free(c->reqs);
+    free(c->cfirst);
+    free(c->clist);
+    free(c->ndeps);
+    free(c->pending);
+    free(c->idx);
+    free((void *)c->srcv);
+    free(c->types);
+    free(c);
+}
+
+static const mfsdp_transport_ops_t mpi_ops;
+
+/* The op list's cache, built on its first run: requests, the dependency lists (children in
+ * op-list order, so that they are posted in that order) and empty datatype slots. */
+static mfsdp_status_t cache_get(mfsdp_sched_ops_t *l, int world, mpi_cache_t **c_p)
+{
+    if (l->tp_state != NULL && l->tp_owner == &mpi_ops) {
+        *c_p = l->tp_state;
+        return MFSDP_OK;
+    }
+    if (l->tp_state != NULL) { /* built by another transport kind: not ours to reuse */
+        l->tp_state_free(l->tp_state);
+        l->tp_state = NULL;
+    }
+    size_t n = l->nops;
+    mfsdp_status_t st = MFSDP_OK;
+    mpi_cache_t *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    c->nops = n;
+    c->tail = MPI_DATATYPE_NULL;
+    c->reqs = malloc(n * sizeof(*c->reqs));
+    c->cfirst = calloc(n + 1, sizeof(*c->cfirst));
+    c->ndeps = malloc(n * sizeof(*c->ndeps));
+    c->pending = malloc(n * sizeof(*c->pending));
+    c->idx = malloc(n * sizeof(*c->idx));
+    c->srcv = malloc((size_t)world * sizeof(*c->srcv));
+    c->types = malloc(n * sizeof(*c->types));
+    if (c->reqs == NULL || c->cfirst == NULL || c->ndeps == NULL || c->pending == NULL ||
+        c->idx == NULL || c->srcv == NULL || c->types == NULL) {
+        free(c->types);
+        c->types = NULL;
+        st = MFSDP_ERR_NO_MEMORY;
+        goto err;
+    }
+    size_t edges = 0;
+    for (size_t i = 0; i < n; i++) {
+        c->reqs[i] = MPI_REQUEST_NULL;
+        c->types[i] = MPI_DATATYPE_NULL;
+        const mfsdp_sched_op_t *op = &l->ops[i];
+        c->ndeps[i] = op->dep >= 0 ? (op->ndep > 1 ? op->ndep : 1) : 0;
+        if (op->dep >= 0 && (size_t)op->dep + (size_t)c->ndeps[i] > i) {
+            MFSDP_WARN("op %zu waits for ops %ld..%ld, not all before it", i, op->dep,
+                       op->dep + c->ndeps[i] - 1);
+            st = MFSDP_ERR_INTERNAL;
+            goto err;
+        }
+        for (int q = 0; q < c->ndeps[i]; q++) {
+            c->cfirst[op->dep + q + 1]++;
+        }
+        edges += (size_t)c->ndeps[i];
+    }
+    for (size_t i = 0; i < n; i++) {
+        c->cfirst[i + 1] += c->cfirst[i];
+    }
+    c->clist = malloc((edges + 1) * sizeof(*c->clist));
+    if (c->clist == NULL) {
+        st = MFSDP_ERR_NO_MEMORY;
+        goto err;
+    }
+    for (size_t i = 0; i < n; i++) {
+        c->pending[i] = 0; /* fill position per parent while building */
+    }
+    for (size_t k = 0; k < n; k++) {
+        for (int q = 0; q < c->ndeps[k]; q++) {
+            size_t d = (size_t)l->ops[k].dep + (size_t)q;
+            c->clist[c->cfirst[d] + (size_t)c->pending[d]++] = (long)k;
+        }
+    }
+    l->tp_state = c;
+    l->tp_owner = &mpi_ops;
+    l->tp_state_free = cache_free;
+    *c_p = c;
+    return MFSDP_OK;
+err:
+    cache_free(c);
+    return st;
+}
+
 /* One rank block's sharded-tail pieces inside FSDP's all-gather buffer as a datatype: the
  * pieces at their offsets, extent one rank block, so that count 1 per rank addresses block
- * r at r * S. */
-static mfsdp_status_t tail_block_type(const mfsdp_xfer_t *x, MPI_Datatype *type_p)
+ * r at r * S. Built once per op list (cached). */
+static mfsdp_status_t tail_block_type(const mfsdp_xfer_t *x, mpi_cache_t *c, MPI_Datatype *type_p)
 {
+    if (c->tail != MPI_DATATYPE_NULL) {
+        *type_p = c->tail;
+        return MFSDP_OK;
+    }
     const mfsdp_group_sched_t *gs = x->gs;
     const mfsdp_buffer_layout_t *b = &gs->layout->ag;
     int *len = malloc((gs->ntail + 1) * sizeof(*len));
@@ -84,6 +214,7 @@ static mfsdp_status_t tail_block_type(const mfsdp_xfer_t *x, MPI_Datatype *type_
         st = MFSDP_ERR_TRANSPORT;
         goto out;
     }
+    c->tail = block;
     *type_p = block;
 out:
     free(len);
@@ -111,9 +242,8 @@ static mfsdp_status_t post_tail(engine_t *e, MPI_Request *req)
     } else {
         /* Straight into the tail pieces of FSDP's all-gather output: no staging. */
         MPI_Datatype t;
-        MFSDP_CHECK(tail_block_type(x, &t));
+        MFSDP_CHECK(tail_block_type(x, e->c, &t));
         rc = MPI_Iallgather(x->tail_send, cnt, MPI_BYTE, x->ag_out, 1, t, e->t->comm, req);
-        MPI_Type_free(&t); /* pending communication keeps its own reference */
     }
     if (rc != MPI_SUCCESS) {
         MFSDP_WARN("posting the sharded-tail collective of group %zu failed (mpi error %d)",
@@ -123,19 +253,20 @@ static mfsdp_status_t post_tail(engine_t *e, MPI_Request *req)
     return MFSDP_OK;
 }
 
-/* Receive a whole owned tensor straight into its pieces of FSDP's all-gather output: an
- * hindexed datatype of the real rows of every rank block (padding is zeroed by the
- * runtime). The sender's contiguous copy has the same type signature (bytes). */
-static mfsdp_status_t post_into_fsdp(engine_t *e, const mfsdp_sched_op_t *op, MPI_Request *req)
+/* The datatype of op i receiving a whole owned tensor straight into its pieces of FSDP's
+ * all-gather output: an hindexed type of the real rows of every rank block (padding is
+ * zeroed by the runtime). Built on the op list's first run and kept. */
+static mfsdp_status_t fsdp_type(engine_t *e, long i, MPI_Datatype *type_p)
 {
+    if (e->c->types[i] != MPI_DATATYPE_NULL) {
+        *type_p = e->c->types[i];
+        return MFSDP_OK;
+    }
     const mfsdp_xfer_t *x = e->x;
+    const mfsdp_sched_op_t *op = &x->ops->ops[i];
     const mfsdp_sched_seg_t *s = &x->gs->segs[op->seg];
     const mfsdp_buffer_layout_t *ag = &x->gs->layout->ag;
     int n = e->t->base.world;
-    if (op->off != 0 || op->len != s->ag_bytes || s->ag_bytes > INT_MAX) {
-        MFSDP_WARN("segment %u: partial transfer into the all-gather output", op->seg);
-        return MFSDP_ERR_INTERNAL;
-    }
     int *len = malloc((size_t)n * sizeof(*len));
     MPI_Aint *disp = malloc((size_t)n * sizeof(*disp));
     mfsdp_status_t st = MFSDP_OK;
@@ -157,25 +288,50 @@ static mfsdp_status_t post_into_fsdp(engine_t *e, const mfsdp_sched_op_t *op, MP
     int rc = MPI_Type_create_hindexed(nb, len, disp, MPI_BYTE, &t);
     if (rc == MPI_SUCCESS) {
         rc = MPI_Type_commit(&t);
-        if (rc == MPI_SUCCESS) {
-            if (op->kind == MFSDP_SCHED_RECV) {
-                rc = MPI_Irecv(x->ag_out, 1, t, op->peer, op->tag, e->t->comm, req);
-            } else {
-                rc = MPI_Ibcast(x->ag_out, 1, t, op->peer, e->t->comm, req);
-            }
+        if (rc != MPI_SUCCESS) {
+            MPI_Type_free(&t);
         }
-        /* Freeing a datatype does not affect communication already using it. */
-        MPI_Type_free(&t);
     }
     if (rc != MPI_SUCCESS) {
-        MFSDP_WARN("posting segment %u into the all-gather output failed (mpi error %d)", op->seg,
-                   rc);
+        MFSDP_WARN("building the datatype of segment %u in the all-gather output failed (mpi "
+                   "error %d)",
+                   op->seg, rc);
         st = MFSDP_ERR_TRANSPORT;
+        goto out;
     }
+    e->c->types[i] = t;
+    *type_p = t;
 out:
     free(len);
     free(disp);
     return st;
+}
+
+/* Receive a whole owned tensor straight into its pieces of FSDP's all-gather output. The
+ * sender's contiguous copy has the same type signature (bytes). */
+static mfsdp_status_t post_into_fsdp(engine_t *e, long i, MPI_Request *req)
+{
+    const mfsdp_xfer_t *x = e->x;
+    const mfsdp_sched_op_t *op = &x->ops->ops[i];
+    const mfsdp_sched_seg_t *s = &x->gs->segs[op->seg];
+    if (op->off != 0 || op->len != s->ag_bytes || s->ag_bytes > INT_MAX) {
+        MFSDP_WARN("segment %u: partial transfer into the all-gather output", op->seg);
+        return MFSDP_ERR_INTERNAL;
+    }
+    MPI_Datatype t;
+    MFSDP_CHECK(fsdp_type(e, i, &t));
+    int rc;
+    if (op->kind == MFSDP_SCHED_RECV) {
+        rc = MPI_Irecv(x->ag_out, 1, t, op->peer, op->tag, e->t->comm, req);
+    } else {
+        rc = MPI_Ibcast(x->ag_out, 1, t, op->peer, e->t->comm, req);
+    }
+    if (rc != MPI_SUCCESS) {
+        MFSDP_WARN("posting segment %u into the all-gather output failed (mpi error %d)", op->seg,
+                   rc);
+        return MFSDP_ERR_TRANSPORT;
+    }
+    return MFSDP_OK;
 }
 
 /* Post op i (or run it, for a local op) and, for local ops, what waited for it. */
@@ -185,7 +341,7 @@ static mfsdp_status_t post(engine_t *e, long i)
     const mfsdp_sched_op_t *op = &x->ops->ops[i];
     MPI_Comm comm = e->t->comm;
     int rank = e->t->base.rank;
-    MPI_Request *req = &e->reqs[i];
+    MPI_Request *req = &e->c->reqs[i];
     size_t elt;
     char *p;
 
@@ -195,7 +351,7 @@ static mfsdp_status_t post(engine_t *e, long i)
         return MFSDP_OK;
     }
     if (op->kind == MFSDP_SCHED_APPLY || op->kind == MFSDP_SCHED_COPYOUT) {
-        MFSDP_CHECK(mfsdp_xfer_local(x, op, rank, e->t->base.world));
+        MFSDP_CHECK(mfsdp_xfer_local(x, op, rank, e->t->base.world, e->c->srcv));
         return post_children(e, i);
     }
     if (op->combine) {
@@ -204,7 +360,7 @@ static mfsdp_status_t post(engine_t *e, long i)
     if (x->dir == MFSDP_SCHED_DIR_GATHER && op->buf == MFSDP_BUF_STAGE &&
         x->bufs[op->seg].stage == NULL && x->ag_out != NULL &&
         (op->kind == MFSDP_SCHED_RECV || op->kind == MFSDP_SCHED_BCAST)) {
-        MFSDP_CHECK(post_into_fsdp(e, op, req));
+        MFSDP_CHECK(post_into_fsdp(e, i, req));
         e->active++;
         return MFSDP_OK;
     }
@@ -253,46 +409,27 @@ static mfsdp_status_t mpi_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
     MFSDP_CHECK_ARG(x != NULL && x->ops != NULL && x->gs != NULL);
     size_t n = x->ops->nops;
     if (n == 0) {
-        return MFSDP_OK;
+        return x->overlap != NULL ? x->overlap(x->overlap_arg) : MFSDP_OK;
     }
     if (n > INT_MAX) {
         return MFSDP_ERR_UNSUPPORTED;
     }
     mfsdp_status_t st = MFSDP_OK;
     engine_t e = {.t = t, .x = x};
-    e.reqs = malloc(n * sizeof(*e.reqs));
-    e.child = malloc(n * sizeof(*e.child));
-    e.sibling = malloc(n * sizeof(*e.sibling));
-    e.idx = malloc(n * sizeof(*e.idx));
-    if (e.reqs == NULL || e.child == NULL || e.sibling == NULL || e.idx == NULL) {
-        st = MFSDP_ERR_NO_MEMORY;
-        goto out;
-    }
-    for (size_t i = 0; i < n; i++) {
-        e.reqs[i] = MPI_REQUEST_NULL;
-        e.child[i] = -1;
-        e.sibling[i] = -1;
-    }
-    /* Children in reverse so that they are posted in op-list order. */
-    for (size_t k = n; k-- > 0;) {
-        long d = x->ops->ops[k].dep;
-        if (d >= 0) {
-            if ((size_t)d >= k) {
-                st = MFSDP_ERR_INTERNAL;
-                goto out;
-            }
-            e.sibling[k] = e.child[d];
-            e.child[d] = (long)k;
-        }
-    }
+    MFSDP_CHECK(cache_get(x->ops, t->base.world, &e.c));
+    MPI_Request *reqs = e.c->reqs; /* all MPI_REQUEST_NULL between runs */
+    memcpy(e.c->pending, e.c->ndeps, n * sizeof(*e.c->pending));
     for (size_t i = 0; i < n; i++) {
         if (x->ops->ops[i].dep == -1) {
             MFSDP_CHECK_GOTO(post(&e, (long)i), st, out_wait);
         }
     }
+    if (x->overlap != NULL) {
+        MFSDP_CHECK_GOTO(x->overlap(x->overlap_arg), st, out_wait);
+    }
     while (e.active > 0) {
         int outcount = 0;
-        int rc = MPI_Waitsome((int)n, e.reqs, &outcount, e.idx, MPI_STATUSES_IGNORE);
+        int rc = MPI_Waitsome((int)n, reqs, &outcount, e.c->idx, MPI_STATUSES_IGNORE);
         if (rc != MPI_SUCCESS || outcount == MPI_UNDEFINED) {
             MFSDP_WARN("waiting for the %zu ops of group %zu failed (mpi error %d)", n,
                        x->gs->group, rc);
@@ -301,32 +438,28 @@ static mfsdp_status_t mpi_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
         }
         for (int k = 0; k < outcount; k++) {
             e.active--;
-            MFSDP_CHECK_GOTO(post_children(&e, e.idx[k]), st, out_wait);
+            MFSDP_CHECK_GOTO(post_children(&e, e.c->idx[k]), st, out_wait);
         }
     }
     for (size_t i = 0; i < n; i++) {
         if (x->ops->ops[i].dep == MFSDP_SCHED_DEP_ALL) {
-            MFSDP_CHECK_GOTO(post(&e, (long)i), st, out);
+            MFSDP_CHECK_GOTO(post(&e, (long)i), st, out_wait);
         }
     }
-    goto out;
+    return MFSDP_OK;
 out_cancel:
     /* A failed wait leaves requests posted: cancel the ones still pending (a peer's matching
      * send is then not left waiting on this rank forever) and complete every one. */
     for (size_t i = 0; i < n; i++) {
         mfsdp_sched_kind_t k = x->ops->ops[i].kind;
-        if (e.reqs[i] != MPI_REQUEST_NULL && (k == MFSDP_SCHED_SEND || k == MFSDP_SCHED_RECV)) {
-            MPI_Cancel(&e.reqs[i]); /* only point-to-point requests can be cancelled */
+        if (reqs[i] != MPI_REQUEST_NULL && (k == MFSDP_SCHED_SEND || k == MFSDP_SCHED_RECV)) {
+            MPI_Cancel(&reqs[i]); /* only point-to-point requests can be cancelled */
         }
     }
 out_wait:
-    /* Do not return while MPI still writes into the caller's buffers. */
-    MPI_Waitall((int)n, e.reqs, MPI_STATUSES_IGNORE);
-out:
-    free(e.reqs);
-    free(e.child);
-    free(e.sibling);
-    free(e.idx);
+    /* Do not return while MPI still writes into the caller's buffers; completion also
+     * leaves every cached request MPI_REQUEST_NULL for the next run. */
+    MPI_Waitall((int)n, reqs, MPI_STATUSES_IGNORE);
     return st;
 }
 

@@ -489,18 +489,19 @@ static mfsdp_status_t check_list(const mfsdp_xfer_t *x, int *maxw_p)
             }
             continue;
         }
+        long nd = op->dep >= 0 && op->ndep > 1 ? op->ndep : 1; /* ops dep .. dep + nd - 1 */
         if (op->wave < 0 || (op->dep < 0 && op->dep != -1) ||
-            (op->dep >= 0 && (size_t)op->dep >= i)) {
-            MFSDP_WARN("op %zu of group %zu: wave %d, dependency %ld", i, x->gs->group, op->wave,
-                       op->dep);
+            (op->dep >= 0 && (size_t)(op->dep + nd - 1) >= i)) {
+            MFSDP_WARN("op %zu of group %zu: wave %d, dependency %ld (+%ld)", i, x->gs->group,
+                       op->wave, op->dep, nd - 1);
             return MFSDP_ERR_INTERNAL;
         }
-        if (op->dep >= 0) {
-            const mfsdp_sched_op_t *d = &l->ops[op->dep];
+        for (long q = op->dep; op->dep >= 0 && q < op->dep + nd; q++) {
+            const mfsdp_sched_op_t *d = &l->ops[q];
             if (is_local(op) ? op->wave < d->wave : op->wave <= d->wave) {
                 MFSDP_WARN("op %zu of group %zu (wave %d) would run before op %ld it depends on "
                            "(wave %d)",
-                           i, x->gs->group, op->wave, op->dep, d->wave);
+                           i, x->gs->group, op->wave, q, d->wave);
                 return MFSDP_ERR_INTERNAL;
             }
         }
@@ -514,6 +515,9 @@ static mfsdp_status_t nccl_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
 {
     nccl_transport_t *t = (nccl_transport_t *)tb;
     MFSDP_CHECK_ARG(x != NULL && x->ops != NULL && x->gs != NULL && x->exec != NULL);
+    if (x->overlap != NULL) { /* enqueued on the stream before the waves */
+        MFSDP_CHECK(x->overlap(x->overlap_arg));
+    }
     size_t n = x->ops->nops;
     if (n == 0) {
         return MFSDP_OK;
@@ -575,14 +579,15 @@ static mfsdp_status_t nccl_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
         for (size_t k = first[w]; k < first[w + 1]; k++) {
             const mfsdp_sched_op_t *op = &x->ops->ops[order[k]];
             if (is_local(op)) {
-                MFSDP_CHECK_GOTO(mfsdp_xfer_local(x, op, t->base.rank, t->base.world), st, out);
+                MFSDP_CHECK_GOTO(mfsdp_xfer_local(x, op, t->base.rank, t->base.world, NULL), st,
+                                 out);
             }
         }
     }
     for (size_t i = 0; i < n; i++) {
         if (x->ops->ops[i].dep == MFSDP_SCHED_DEP_ALL) {
-            MFSDP_CHECK_GOTO(mfsdp_xfer_local(x, &x->ops->ops[i], t->base.rank, t->base.world), st,
-                             out);
+            MFSDP_CHECK_GOTO(
+                mfsdp_xfer_local(x, &x->ops->ops[i], t->base.rank, t->base.world, NULL), st, out);
         }
     }
 out:

@@ -20,13 +20,14 @@ void *mfsdp_xfer_buf(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, size_t *
         elt = reduce ? mfsdp_dtype_size(x->dtype) : 1;
         break;
     case MFSDP_BUF_STAGE:
-        p = b->stage;
+        p = b->stage; /* direct reduce: op->boff addresses the ring slot and source rank */
         if (reduce) {
             elt = mfsdp_dtype_size(x->dtype);
-            if (p != NULL) {
-                p = (char *)p + (size_t)op->slot * x->gs->segs[op->seg].numel * elt;
-            }
         }
+        break;
+    case MFSDP_BUF_RSIN:
+        p = reduce ? (void *)x->rs_in : NULL;
+        elt = mfsdp_dtype_size(x->dtype);
         break;
     case MFSDP_BUF_PIN:
         p = b->pin;
@@ -115,7 +116,7 @@ static mfsdp_status_t copy_out(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op
 }
 
 mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, int rank,
-                                int world)
+                                int world, const void **srcv)
 {
     const mfsdp_xfer_bufs_t *b = &x->bufs[op->seg];
     size_t elt = mfsdp_dtype_size(x->dtype);
@@ -128,19 +129,37 @@ mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *o
     }
     switch (op->apply) {
     case MFSDP_APPLY_ORDERED: {
-        /* The direct algorithm: one call, contributions in rank order 0..n-1. */
-        const void **src = malloc((size_t)world * sizeof(*src));
+        /* The direct algorithm: one chunk, contributions in rank order 0..n-1: the other
+         * ranks' from their sub-slots of the ring slot at op->boff, the own one in place in
+         * FSDP's input (a chunk lies in one rank block there). */
+        const mfsdp_sched_seg_t *s = &x->gs->segs[op->seg];
+        const mfsdp_buffer_layout_t *rs = &x->gs->layout->rs;
+        const mfsdp_param_layout_t *e = &rs->entries[s->rs_entry];
+        size_t block = (size_t)e->c * (size_t)e->rest;
+        if (x->rs_in == NULL || block == 0 || op->off / block != (op->off + op->len - 1) / block ||
+            (world > 1 && b->stage == NULL)) {
+            MFSDP_WARN("reduce segment %u: chunk [%zu, +%zu) without staging or across rank "
+                       "blocks",
+                       op->seg, op->off, op->len);
+            return MFSDP_ERR_INTERNAL;
+        }
+        size_t j = op->off / block;
+        const char *own =
+            (const char *)x->rs_in + j * rs->bytes + e->o_bytes + (op->off - j * block) * elt;
+        const void **src = srcv != NULL ? srcv : malloc((size_t)world * sizeof(*src));
         if (src == NULL) {
             return MFSDP_ERR_NO_MEMORY;
         }
-        size_t slot_bytes = x->gs->segs[op->seg].numel * elt;
         for (int r = 0; r < world; r++) {
-            src[r] = r == rank ? b->src : (const char *)b->stage + (size_t)r * slot_bytes;
+            src[r] = r == rank ? own
+                               : (const char *)b->stage + (op->boff + (size_t)r * op->stride) * elt;
         }
         mfsdp_status_t st =
             x->exec->ops->reduce_ordered(x->exec, b->grad + op->off, (const void *const *)src,
                                          world, x->dtype, op->len, x->op, x->scalar, 1);
-        free((void *)src);
+        if (src != srcv) {
+            free((void *)src);
+        }
         return st;
     }
     case MFSDP_APPLY_FINAL:

@@ -3,7 +3,9 @@
  * Transport interface (floor 4): moves the bytes of one group's schedule (core/schedule.h)
  * between ranks and performs the fixed-order sums and casts that the reduce pipelines need
  * (through kernels/). Every buffer is handed in by the runtime, which allocates them once
- * in the owner arena; a transport keeps nothing long-lived besides its communicator.
+ * in the owner arena. Besides its communicator, a transport keeps only what it derives from
+ * an op list (mfsdp_sched_ops_t.tp_state: requests, dependency lists, MPI datatypes), built
+ * on the list's first run and freed with the list, so later runs allocate nothing.
  *
  * Implementations: MPI (transport/mpi.c, MPI_Isend/Irecv, MPI_Ibcast/Ireduce,
  * MPI_Iallgather/Ireduce_scatter_block; one completion loop) and NCCL (transport/nccl.c,
@@ -39,7 +41,7 @@ typedef struct mfsdp_xfer {
     mfsdp_exec_t *exec; /* does the local work (sums, copies) on the buffers' memory */
     mfsdp_sched_dir_t dir;
     const mfsdp_group_sched_t *gs;
-    const mfsdp_sched_ops_t *ops;
+    mfsdp_sched_ops_t *ops;  /* its tp_state is the transport's cache for this op list */
     mfsdp_xfer_bufs_t *bufs; /* gs->nsegs entries */
     mfsdp_dtype_t dtype;     /* reduce: dtype of contributions (the reduce dtype) */
     mfsdp_redop_t op;        /* reduce: sum, avg or premulsum */
@@ -57,6 +59,12 @@ typedef struct mfsdp_xfer {
     const void *tail_send;
     void *tail_recv;
     size_t tail_count;
+    /* Local work of the caller that touches none of the op list's buffers (the owner's copy
+     * of its own tensors into FSDP's all-gather output), run while the transfers are in
+     * flight: the MPI transport calls it once every op without a dependency is posted, the
+     * NCCL transport before its first wave. NULL: none. */
+    mfsdp_status_t (*overlap)(void *arg);
+    void *overlap_arg;
 } mfsdp_xfer_t;
 
 /* One point-to-point transfer of a batch (all posted at once, one completion). */
@@ -110,9 +118,11 @@ struct mfsdp_transport {
  * gather, the reduce dtype for SRC/STAGE (STAGE at the op's slot) and fp32 for PIN, POUT
  * and FINAL in the reduce. NULL when the runtime bound none. */
 void *mfsdp_xfer_buf(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, size_t *elt_p);
-/* Run the local (APPLY, COPYOUT) op of an op list. */
+/* Run the local (APPLY, COPYOUT) op of an op list. srcv: world entries of scratch for a
+ * direct reduce's ordered sum (the transport's, kept with the op list), or NULL to allocate
+ * them for this call. */
 mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, int rank,
-                                int world);
+                                int world, const void **srcv);
 /* Fill POUT for a SEND/REDUCE op with combine set. */
 mfsdp_status_t mfsdp_xfer_prepare(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op);
 

@@ -78,6 +78,7 @@ typedef struct mfsdp_ctx_opts {
     int has_clip;                /**< 1: use @ref clip; 0: MFSDP_CLIP, the manifest */
     double clip;                 /**< global gradient-norm threshold, 0 = off */
     int no_mlock;                /**< 1: do not page-lock the arena (else MFSDP_MLOCK) */
+    size_t staging_bytes;        /**< staging budget per rank; 0: MFSDP_STAGING_BYTES */
 } mfsdp_ctx_opts_t;
 
 /** One parameter as seen from this rank (mfsdp_ctx_get_param()). */
@@ -124,6 +125,8 @@ typedef struct mfsdp_ctx_stats {
     mfsdp_algo_t reduce_algo;
     mfsdp_step_mode_t step_mode; /**< resolved step mode */
     int accum_steps;             /**< resolved micro-steps per step */
+    size_t comm_staging_bytes;   /**< communication staging: the largest group call's need */
+    size_t staging_budget;       /**< MFSDP_STAGING_BYTES (or the option) it is held to */
 } mfsdp_ctx_stats_t;
 
 /**

@@ -400,13 +400,11 @@ static void run_case(mfsdp_transport_t *t, mfsdp_exec_t *e, int tail_only, int t
             bufs[i].grad = grad;
             owned[i] = grad;
             if (algo == MFSDP_ALGO_DIRECT) {
-                float *src = malloc(s->numel * sizeof(float));
-                for (size_t el = 0; el < s->numel; el++) {
-                    src[el] = contrib(g_rank, s->param, el);
-                }
-                bufs[i].src = src;
+                /* Contributions are read in place from rs_in; the owner's ring of chunks. */
                 if (own) {
-                    bufs[i].stage = malloc(s->numel * sizeof(float) * (size_t)n);
+                    size_t stride, nslots;
+                    mfsdp_sched_direct_ring(gs, s, chunk / sizeof(float), &stride, &nslots);
+                    bufs[i].stage = malloc(nslots * (size_t)n * stride * sizeof(float) + 1);
                 }
             } else if (algo == MFSDP_ALGO_CHAIN) {
                 size_t ring = mfsdp_sched_ring(s->numel, chunk / sizeof(float));

@@ -16,11 +16,19 @@
 #include "tests/unit/manifest_util.h"
 #include "core/schedule.h"
 
-/* 1 when op j of a list waits, directly or through its dependency chain, for op i. */
+/* Ops an op waits for: dep .. dep + ndep - 1 (one when ndep <= 1), none for -1/DEP_ALL. */
+static long ndeps(const mfsdp_sched_op_t *op)
+{
+    return op->dep < 0 ? 0 : op->ndep > 1 ? op->ndep : 1;
+}
+
+/* 1 when op j of a list waits, directly or through its dependencies, for op i. */
 static int depends_on(const mfsdp_sched_ops_t *ops, size_t j, size_t i)
 {
-    for (long d = ops->ops[j].dep; d >= 0; d = ops->ops[d].dep) {
-        if ((size_t)d == i) {
+    const mfsdp_sched_op_t *op = &ops->ops[j];
+    for (long q = 0; q < ndeps(op); q++) {
+        size_t d = (size_t)(op->dep + q);
+        if (d == i || (d > i && depends_on(ops, d, i))) {
             return 1;
         }
     }
@@ -66,8 +74,9 @@ static void simulate(const mfsdp_group_sched_t *gs, mfsdp_sched_ops_t *ops, int 
         total += ops[r].nops;
         for (size_t i = 0; i < ops[r].nops; i++) {
             long d = ops[r].ops[i].dep;
-            cr_assert(d == -1 || d == MFSDP_SCHED_DEP_ALL || (d >= 0 && (size_t)d < i),
-                      "%s: rank %d op %zu has dep %ld", what, r, i, d);
+            cr_assert(d == -1 || d == MFSDP_SCHED_DEP_ALL ||
+                          (d >= 0 && (size_t)(d + ndeps(&ops[r].ops[i])) <= i),
+                      "%s: rank %d op %zu has dep %ld (+%d)", what, r, i, d, ops[r].ops[i].ndep);
         }
     }
     long clock = 0;
@@ -86,8 +95,13 @@ static void simulate(const mfsdp_group_sched_t *gs, mfsdp_sched_ops_t *ops, int 
                 if (posted[r][i]) {
                     continue;
                 }
-                int ready = op->dep == -1 || (op->dep >= 0 && done[r][op->dep]) ||
-                            (op->dep == MFSDP_SCHED_DEP_ALL && left == 0);
+                int ready = op->dep == -1 || (op->dep == MFSDP_SCHED_DEP_ALL && left == 0);
+                if (op->dep >= 0) {
+                    ready = 1;
+                    for (long q = 0; q < ndeps(op); q++) {
+                        ready &= done[r][op->dep + q];
+                    }
+                }
                 if (!ready) {
                     continue;
                 }
