@@ -326,7 +326,7 @@ static const char *const local_vars[] = {
     "MFSDP_REPORT", "MFSDP_THREADS",      "MFSDP_MANIFEST",   "MFSDP_RECORD", "MFSDP_TUNER_CONFIG",
 };
 
-static void put(mfsdp_fp_item_t *it, const char *name, const char *value)
+void mfsdp_fp_item_set(mfsdp_fp_item_t *it, const char *name, const char *value)
 {
     it->name = name;
     it->hash = mfsdp_hash_bytes(MFSDP_HASH_INIT, value, strlen(value));
@@ -350,10 +350,11 @@ size_t mfsdp_settings_fingerprint(const mfsdp_manifest_t *m, int world, const mf
     } else {
         snprintf(v, sizeof(v), "%s", m != NULL ? "(unwritable)" : "(none)");
     }
-    put(&items[n++], "the manifest", v);
+    mfsdp_fp_item_set(&items[n++], "the manifest", v);
     snprintf(v, sizeof(v), "%d", world);
-    put(&items[n++], "the communicator size", v);
-    put(&items[n++], "MFSDP_RECORD (set or not)", cfg != NULL && cfg->record_set ? "set" : "unset");
+    mfsdp_fp_item_set(&items[n++], "the communicator size", v);
+    mfsdp_fp_item_set(&items[n++], "MFSDP_RECORD (set or not)",
+                      cfg != NULL && cfg->record_set ? "set" : "unset");
     for (size_t i = 0; cfg != NULL && i < mfsdp_config_count() && n < MFSDP_FP_MAX; i++) {
         const char *name = NULL;
         char value[256];
@@ -365,7 +366,7 @@ size_t mfsdp_settings_fingerprint(const mfsdp_manifest_t *m, int world, const mf
             local |= strcmp(name, local_vars[k]) == 0;
         }
         if (!local) {
-            put(&items[n++], name, value);
+            mfsdp_fp_item_set(&items[n++], name, value);
         }
     }
     return n;

@@ -75,6 +75,9 @@ typedef struct mfsdp_fp_item {
     char value[MFSDP_FP_VALUE_LEN]; /* the value, shortened, for messages */
 } mfsdp_fp_item_t;
 
+/* Set one entry: name (static) and value (hashed whole, kept shortened for messages). */
+void mfsdp_fp_item_set(mfsdp_fp_item_t *it, const char *name, const char *value);
+
 /* Most entries a fingerprint has. */
 #define MFSDP_FP_MAX 48
 

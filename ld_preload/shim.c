@@ -396,13 +396,6 @@ static int agree_gather(void *arg, const void *mine, size_t bytes, void *all)
     return c->ops->allgather(c, mine, bytes, all);
 }
 
-static void put_item(mfsdp_fp_item_t *it, const char *name, const char *value)
-{
-    it->name = name;
-    it->hash = mfsdp_hash_bytes(MFSDP_HASH_INIT, value, strlen(value));
-    snprintf(it->value, sizeof(it->value), "%s", value);
-}
-
 /* Compare this comm's settings across its ranks before deciding anything about its first
  * call: every rank is inside this same collective call, so the exchange cannot hang. Returns
  * 0 and fails the comm on a difference. */
@@ -425,7 +418,7 @@ static int comm_agree(shim_comm_t *c, const shim_tag_t *tag, const shim_call_t *
                                      : "pass-through",
              (int)shim_status);
     if (n < MFSDP_FP_MAX) {
-        put_item(&items[n++], "the shim's mode", mode);
+        mfsdp_fp_item_set(&items[n++], "the shim's mode", mode);
     }
     char first[64];
     snprintf(first, sizeof(first), "%s%s", call->kind == SHIM_ALLGATHER ? "allgather" : "reduce",
@@ -434,7 +427,7 @@ static int comm_agree(shim_comm_t *c, const shim_tag_t *tag, const shim_call_t *
         snprintf(first, sizeof(first), "tag kind %d group %zu", tag->kind, tag->group);
     }
     if (n < MFSDP_FP_MAX) {
-        put_item(&items[n++], "the first call's tag", first);
+        mfsdp_fp_item_set(&items[n++], "the first call's tag", first);
     }
     mfsdp_agree_ops_t ops = {agree_u64, agree_gather, c, c->rank, c->size};
     char err[1024];

@@ -176,10 +176,12 @@ int mfsdp_ctx_lazy_ready(const struct mfsdp_ctx *ctx);
  * and run an eager step when the window is complete. */
 mfsdp_status_t mfsdp_ctx_reduce_done(struct mfsdp_ctx *ctx, size_t group);
 
-/* Compare every rank's settings fingerprint (manifest, MFSDP_* values) over tp: one clear
+/* Compare every rank's settings fingerprint (manifest, MFSDP_* values, and the options given
+ * in code unless opts is NULL: every rank must pass NULL or not alike) over tp: one clear
  * error on every rank (MFSDP_ERR_MISMATCH) instead of a hang or a truncation later.
  * Collective over tp. */
-mfsdp_status_t mfsdp_ctx_agree(mfsdp_transport_t *tp, const mfsdp_manifest_t *manifest, int world);
+mfsdp_status_t mfsdp_ctx_agree(mfsdp_transport_t *tp, const mfsdp_manifest_t *manifest, int world,
+                               const mfsdp_ctx_opts_t *opts);
 
 /* Everything but the transport: plan, schedules, arena. Not collective. */
 mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_t *manifest,

@@ -46,7 +46,8 @@ mfsdp_status_t mfsdp_ctx_create_mpi(const mfsdp_manifest_t *manifest, const mfsd
     }
     /* Every rank must plan with the same manifest and settings: compared first, so that a
      * difference is one clear error rather than a hang or a truncated message later. */
-    st = mfsdp_ctx_agree(ctx->tp, manifest, world);
+    static const mfsdp_ctx_opts_t zero_opts; /* NULL: the same as all zero, on every rank */
+    st = mfsdp_ctx_agree(ctx->tp, manifest, world, opts != NULL ? opts : &zero_opts);
     if (st != MFSDP_OK) {
         mfsdp_ctx_free(ctx);
         return st;
@@ -91,7 +92,7 @@ mfsdp_status_t mfsdp_ctx_attach_replicate_mpi(mfsdp_ctx_h ctx, MPI_Comm replicat
     }
     mfsdp_transport_t *rtp = NULL;
     MFSDP_CHECK(mfsdp_transport_mpi_create(replicate_comm, &rtp));
-    mfsdp_status_t st = mfsdp_ctx_agree(rtp, ctx->manifest, ctx->world);
+    mfsdp_status_t st = mfsdp_ctx_agree(rtp, ctx->manifest, ctx->world, NULL);
     if (st != MFSDP_OK) {
         rtp->ops->destroy(rtp);
         return st;

@@ -167,7 +167,8 @@ mfsdp_status_t mfsdp_ctx_create_nccl(const mfsdp_manifest_t *manifest, const mfs
     /* Every rank must plan with the same manifest and settings (MFSDP_TRANSPORT and
      * MFSDP_NCCL_REGISTER included): compared first, so that a difference is one clear error
      * rather than a hang or a truncated transfer later. */
-    st = mfsdp_ctx_agree(ctx->tp, manifest, ctx->world);
+    static const mfsdp_ctx_opts_t zero_opts; /* NULL: the same as all zero, on every rank */
+    st = mfsdp_ctx_agree(ctx->tp, manifest, ctx->world, opts != NULL ? opts : &zero_opts);
     if (st != MFSDP_OK) {
         mfsdp_ctx_free(ctx);
         return st;
@@ -233,7 +234,7 @@ mfsdp_status_t mfsdp_ctx_attach_replicate_nccl(mfsdp_ctx_h ctx, ncclComm_t repli
         MFSDP_CHECK_GOTO(mfsdp_transport_nccl_set_staging(rtp, ctx->exec), st, err);
     }
     MFSDP_CHECK_GOTO(rtp->ops->set_stream(rtp, ctx->stream), st, err);
-    MFSDP_CHECK_GOTO(mfsdp_ctx_agree(rtp, ctx->manifest, ctx->world), st, err);
+    MFSDP_CHECK_GOTO(mfsdp_ctx_agree(rtp, ctx->manifest, ctx->world, NULL), st, err);
     ctx->rtp = rtp;
     return MFSDP_OK;
 err:

@@ -5,6 +5,7 @@
  * and one message naming the variable and the ranks, never a hang or a truncation.
  *   test_agree tail      the last rank runs with MFSDP_TAIL=owner, the others with shard
  *   test_agree manifest  the last rank's manifest has a different learning rate
+ *   test_agree options   the last rank passes another staging budget in its mfsdp_ctx_opts_t
  *   test_agree same      every rank agrees: creation succeeds
  */
 #include <mpi.h>
@@ -54,7 +55,10 @@ int main(int argc, char **argv)
     FILE *f = freopen(path, "w", stderr);
     (void)f;
     mfsdp_ctx_h ctx = NULL;
-    mfsdp_status_t st = mfsdp_ctx_create_mpi(m, NULL, MPI_COMM_WORLD, &ctx);
+    /* Options given in code take part too: one rank with another staging budget would cut
+     * its reduce into other chunks than the others expect. */
+    mfsdp_ctx_opts_t opts = {.staging_bytes = strcmp(mode, "options") == 0 && last ? 4096 : 0};
+    mfsdp_status_t st = mfsdp_ctx_create_mpi(m, &opts, MPI_COMM_WORLD, &ctx);
     fflush(stderr);
     dup2(saved, 2);
     char log[4096] = "";
@@ -71,7 +75,9 @@ int main(int argc, char **argv)
     } else {
         char want[128];
         snprintf(want, sizeof(want), "%s differs across ranks:",
-                 strcmp(mode, "tail") == 0 ? "MFSDP_TAIL" : "the manifest");
+                 strcmp(mode, "tail") == 0      ? "MFSDP_TAIL"
+                 : strcmp(mode, "options") == 0 ? "the context options (mfsdp_ctx_opts_t)"
+                                                : "the manifest");
         fail = st != MFSDP_ERR_MISMATCH || strstr(log, want) == NULL ||
                (strcmp(mode, "tail") == 0 &&
                 (strstr(log, "'shard' on rank") == NULL || strstr(log, "'owner' on rank") == NULL));
