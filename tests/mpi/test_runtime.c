@@ -34,6 +34,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "core/log.h"
@@ -1352,6 +1354,52 @@ static void expect_status(mfsdp_status_t got, mfsdp_status_t want, const char *l
     CHECK(lo == hi, "%s: ranks disagree (%d..%d)", what, lo, hi);
 }
 
+/* One 2048 x 2048 float32 matrix: its owner's arena (master, comm copy, gradient, momentum)
+ * is about 64 MiB, the other ranks' nearly nothing. */
+static void test_local_failure(void)
+{
+    static const char text[] =
+        "{\"format\": \"mfsdp-manifest/1\", \"groups\": [{\"name\": \"g\", \"params\": "
+        "[{\"name\": \"w\", \"shape\": [2048, 2048], \"dtype\": \"float32\"}]}]}";
+    mfsdp_manifest_t *big = NULL;
+    char err[256];
+    CHECK_OK(mfsdp_manifest_parse(text, strlen(text), "inline", err, sizeof(err), &big));
+    if (big == NULL) {
+        return;
+    }
+    long pages = 0;
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (f != NULL) {
+        CHECK(fscanf(f, "%ld", &pages) == 1, "cannot read /proc/self/statm");
+        fclose(f);
+    }
+    /* The largest address space of any rank, plus 32 MiB: the same limit everywhere. */
+    long mine = pages * sysconf(_SC_PAGESIZE), most = 0;
+    PMPI_Allreduce(&mine, &most, 1, MPI_LONG, MPI_MAX, MPI_COMM_WORLD);
+    struct rlimit saved, lim;
+    CHECK(getrlimit(RLIMIT_AS, &saved) == 0, "getrlimit: %s", strerror(errno));
+    lim = saved;
+    lim.rlim_cur = (rlim_t)most + ((rlim_t)32 << 20);
+    mfsdp_ctx_opts_t o;
+    memset(&o, 0, sizeof(o));
+    o.no_mlock = 1;
+    mfsdp_ctx_h ctx = NULL;
+    capture_begin();
+    CHECK(setrlimit(RLIMIT_AS, &lim) == 0, "setrlimit: %s", strerror(errno));
+    mfsdp_status_t st = create_world(big, &o, &ctx);
+    CHECK(setrlimit(RLIMIT_AS, &saved) == 0, "setrlimit: %s", strerror(errno));
+    const char *log = capture_end();
+    int owner = strstr(log, "cannot map the") != NULL;
+    int owners = 0;
+    PMPI_Allreduce(&owner, &owners, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    CHECK(owners == 1, "one rank (the owner) should fail to map its arena, %d did", owners);
+    expect_status(st, MFSDP_ERR_NO_MEMORY, log, owner ? "cannot map the" : "failed on another rank",
+                  "one rank's failure agreed");
+    CHECK(ctx == NULL, "ctx written on failure");
+    mfsdp_ctx_destroy(&ctx);
+    mfsdp_manifest_free(big);
+}
+
 static void test_errors(void)
 {
     mfsdp_manifest_t *m = random_manifest(7);
@@ -1380,17 +1428,25 @@ static void test_errors(void)
     log = capture_end();
     expect_status(st, MFSDP_ERR_INVALID_ARG, log, "lazy", "eager + clip");
 
-    /* A failure on one rank only (its options; they are not part of the settings compared
-     * first) fails every rank alike: the outcome of creation is agreed. */
+    /* Options given in code differ on one rank (a chain chunk): compared before anything
+     * else, one mismatch on every rank. */
     memset(&o, 0, sizeof(o));
     o.chain_chunk = g_rank == 0 ? 2 : 0;
     capture_begin();
     st = create_world(m, &o, &ctx);
     log = capture_end();
-    expect_status(st, MFSDP_ERR_INVALID_ARG, log,
-                  g_rank == 0 ? "chain chunk of 2 bytes" : "failed on another rank",
-                  "one rank's failure agreed");
+    if (g_world > 1) {
+        expect_status(st, MFSDP_ERR_MISMATCH, log, "the context options (mfsdp_ctx_opts_t) differs",
+                      "one rank's options");
+    } else { /* nothing to differ from: the chunk itself is refused */
+        expect_status(st, MFSDP_ERR_INVALID_ARG, log, "chain chunk of 2 bytes", "a 2-byte chunk");
+    }
     CHECK(ctx == NULL, "ctx written on failure");
+
+    /* A failure on one rank only (out of memory: every rank runs under the same address-space
+     * limit, which leaves room for the small arenas but not for the owner's) fails every rank
+     * alike: the outcome of creation is agreed. */
+    test_local_failure();
 
     /* Defaults come from the environment (set in main before the first call). */
     st = create_world(m, NULL, &ctx);
