@@ -44,6 +44,7 @@
 #include "mfsdp/runtime_mpi.h"
 #include "runtime/checkpoint.h"
 #include "tests/lib/ns_ref.h"
+#include "tests/unit/manifest_util.h"
 #ifdef TEST_TRANSPORT_NCCL
 #include <dlfcn.h>
 #include <nccl.h>
@@ -310,15 +311,7 @@ static void add_param(mfsdp_group_desc_t *g, const char *name, int ndim, const i
 
 static void manifest_free(mfsdp_manifest_t *m)
 {
-    for (size_t g = 0; g < m->ngroups; g++) {
-        for (size_t i = 0; i < m->groups[g].nparams; i++) {
-            free(m->groups[g].params[i].name);
-        }
-        free(m->groups[g].params);
-        free(m->groups[g].name);
-    }
-    free(m->groups);
-    free(m);
+    test_manifest_free_owned(m);
 }
 
 /* A random manifest: 1..3 groups of 1..4 params with odd shapes. */

@@ -26,6 +26,7 @@
 #include "core/layout.h"
 #include "mfsdp/runtime_mpi.h"
 #include "tests/lib/mpi_check.h"
+#include "tests/unit/manifest_util.h"
 
 static int g_counting;
 static long g_types, g_allocs, g_p2p, g_rsb;
@@ -128,15 +129,7 @@ static mfsdp_manifest_t *manifest(void)
 
 static void manifest_free(mfsdp_manifest_t *m)
 {
-    for (size_t g = 0; g < m->ngroups; g++) {
-        for (size_t i = 0; i < m->groups[g].nparams; i++) {
-            free(m->groups[g].params[i].name);
-        }
-        free(m->groups[g].params);
-        free(m->groups[g].name);
-    }
-    free(m->groups);
-    free(m);
+    test_manifest_free_owned(m);
 }
 
 static const char *algo_name(mfsdp_algo_t a)

@@ -24,6 +24,21 @@ static inline void test_param_fill(mfsdp_param_desc_t *p, const char *name, int 
     p->requires_grad = requires_grad;
 }
 
+/* Free a manifest built in C whose group and param names were strdup'ed (not one from
+ * mfsdp_manifest_parse(): that one goes to mfsdp_manifest_free()). */
+static inline void test_manifest_free_owned(mfsdp_manifest_t *m)
+{
+    for (size_t g = 0; g < m->ngroups; g++) {
+        for (size_t i = 0; i < m->groups[g].nparams; i++) {
+            free(m->groups[g].params[i].name);
+        }
+        free(m->groups[g].params);
+        free(m->groups[g].name);
+    }
+    free(m->groups);
+    free(m);
+}
+
 /* The schedule tests' manifest: three groups mixing bf16 and fp32, Muon and AdamW params, a
  * frozen matrix, a no-grad bias and a 1-row matrix; with_w2 adds a second fp32 matrix to
  * group b (33 x 9, so that segments of one group differ in size). Free with
