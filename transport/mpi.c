@@ -122,10 +122,12 @@ static mfsdp_status_t cache_get(mfsdp_sched_ops_t *l, int world, mpi_cache_t **c
         st = MFSDP_ERR_NO_MEMORY;
         goto err;
     }
-    size_t edges = 0;
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < n; i++) { /* all of them first: cache_free reads every slot */
         c->reqs[i] = MPI_REQUEST_NULL;
         c->types[i] = MPI_DATATYPE_NULL;
+    }
+    size_t edges = 0;
+    for (size_t i = 0; i < n; i++) {
         const mfsdp_sched_op_t *op = &l->ops[i];
         c->ndeps[i] = op->dep >= 0 ? (op->ndep > 1 ? op->ndep : 1) : 0;
         if (op->dep >= 0 && (size_t)op->dep + (size_t)c->ndeps[i] > i) {

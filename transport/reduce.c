@@ -73,20 +73,14 @@ static mfsdp_status_t combine_strided(const mfsdp_xfer_t *x, const mfsdp_sched_o
 mfsdp_status_t mfsdp_xfer_prepare(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op)
 {
     const mfsdp_xfer_bufs_t *b = &x->bufs[op->seg];
-    size_t elt = mfsdp_dtype_size(x->dtype);
-    if (b->pout == NULL || (b->src == NULL && x->rs_in == NULL) || (op->has_in && b->pin == NULL)) {
+    if (b->pout == NULL || x->rs_in == NULL || (op->has_in && b->pin == NULL)) {
         MFSDP_WARN("reduce segment %u: staging buffer missing", op->seg);
         return MFSDP_ERR_INTERNAL;
     }
-    /* Partial sums live at the op's buffer offset (a ring slot in a chain), the own
-     * contribution at its offset in the tensor. */
+    /* Partial sums live at the op's buffer offset (a ring slot in a chain); the own
+     * contribution is read in place from FSDP's input. */
     const float *pin = op->has_in ? b->pin + op->boff : NULL;
-    if (b->src == NULL) {
-        return combine_strided(x, op, b->pout + op->boff, pin);
-    }
-    return x->exec->ops->combine(x->exec, b->pout + op->boff, pin,
-                                 (const char *)b->src + op->off * elt, x->dtype, op->len, x->op,
-                                 x->scalar);
+    return combine_strided(x, op, b->pout + op->boff, pin);
 }
 
 /* Chain gather: bytes [off, off+len) of a tensor, received in a ring slot, copied into its

@@ -26,10 +26,11 @@
 
 /* Buffers of one owner segment (see the table in core/schedule.h). Unused ones are NULL. */
 typedef struct mfsdp_xfer_bufs {
-    void *src;    /* gather: owner's comm copy; reduce (direct): own packed contribution;
-                     NULL for chain/native, which read x->rs_in in place */
+    void *src;    /* gather: owner's comm copy; reduce: NULL (every algorithm reads the own
+                     contribution in place from x->rs_in) */
     void *stage;  /* gather (chain): received tensor, NULL to receive into x->ag_out;
-                     direct reduce (owner): world slots of numel */
+                     direct reduce (owner): the chunk ring (ring slots of world sub-slots,
+                     op->boff and op->stride address them) */
     float *pin;   /* chain reduce: partial sum received */
     float *pout;  /* chain/native reduce: partial sum sent (own contribution added) */
     float *final; /* chain/native reduce (owner): the full fp32 sum */
