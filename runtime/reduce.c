@@ -237,8 +237,9 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
         MFSDP_WARN("reduce of group %s: no staging for the sharded tail", gname);
         return MFSDP_ERR_INTERNAL;
     }
-    for (size_t a = 0; a < T || a == 0; a += P) {
-        size_t b = T - a < P ? T : a + P; /* tail elements [a, b) of every rank block */
+    size_t a = 0;
+    do { /* tail elements [a, b) of every rank block; one run when there is no tail */
+        size_t b = T - a < P ? T : a + P;
         if (T != 0) {
             MFSDP_CHECK(tail_pack(ctx, gs, sendbuf, dtype, op, sc, a, b, tb.send));
         }
@@ -261,10 +262,8 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
             MFSDP_CHECK(
                 tail_apply(ctx, group, gs, recvbuf, dtype, op, post, a, b, tb.recv, tb.send));
         }
-        if (T == 0) {
-            break;
-        }
-    }
+        a = b;
+    } while (a < T);
 
     /* FSDP's output shard: zero for owner-managed bytes. */
     for (size_t i = 0; i < gs->nsegs; i++) {
