@@ -222,7 +222,6 @@ class Companion:
         """The owners' first weights: at n ranks they come with the first all-gather of each
         group, which FSDP2 does not issue on one rank; issue it (tagged) once per group."""
         torch = self.torch
-        fn = getattr(self.collectives.dist, self.entry["all_gather"])
         with torch.no_grad():
             for gi, (g, _) in enumerate(root.layout):
                 ins = []
@@ -236,12 +235,20 @@ class Companion:
                 if len({t.dtype for t in ins}) > 1:  # FSDP2 gathers mixed dtypes as bytes
                     ins = [t.view(torch.uint8) for t in ins]
                 out = torch.cat(ins)
-                _tls.pending = ("ag", root, gi, None)
-                try:
-                    # in place, as FSDP2's own all-gather (the input is rank 0's block)
-                    fn(out, out.narrow(0, 0, out.numel()), group=g.mesh_info.shard_process_group)
-                finally:
-                    _tls.pending = None
+                # in place, as FSDP2's own all-gather (the input is rank 0's block)
+                self._all_gather("ag", root, gi, out, out.narrow(0, 0, out.numel()),
+                                 g.mesh_info.shard_process_group)
+
+    def _all_gather(self, what, root, gi, out, inp, pg):
+        """An all-gather the companion issues itself, tagged as `what` ("ag": the owners'
+        fill, "sync": the write-back) for group gi, through the tagging proxy and the release's
+        entry point (2.15: all_gather_single, 2.11: all_gather_into_tensor; same (output,
+        input, group) arguments)."""
+        _tls.pending = (what, root, gi, None)
+        try:
+            getattr(self.collectives.dist, self.entry["all_gather"])(out, inp, group=pg)
+        finally:
+            _tls.pending = None
 
     def _one_rank_input(self, root, gi, fsdp_params, unsharded_grads, arguments):
         """The reduce-scatter input FSDP2 would build at world size 1 (the gradients of
@@ -454,13 +461,7 @@ class Companion:
                 total = sum(sizes)
                 out = torch.zeros(total * ws, dtype=torch.float32, device=g.device)
                 inp = out.narrow(0, total * rank, total)
-                _tls.pending = ("sync", root, gi, None)
-                try:
-                    # the all-gather entry point of this release (2.15: all_gather_single,
-                    # 2.11: all_gather_into_tensor; same (output, input, group) arguments)
-                    getattr(self.collectives.dist, self.entry["all_gather"])(out, inp, group=pg)
-                finally:
-                    _tls.pending = None
+                self._all_gather("sync", root, gi, out, inp, pg)
                 offsets = [sum(sizes[:i]) for i in range(len(sizes))]
                 for i in owned:
                     fp = g.fsdp_params[i]
