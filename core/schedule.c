@@ -239,6 +239,13 @@ static void gather_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
     }
 }
 
+/* The sharded tail's collective: one op, first in a list, and alone in the reduce's later
+ * passes (mfsdp_sched_build_tail), with the same tag in both. */
+static mfsdp_sched_op_t tail_op(void)
+{
+    return mkop(MFSDP_SCHED_TAIL, 0, 0, MFSDP_BUF_STAGE, 0, 0, SCHED_TAG_LIMIT - 1, -1);
+}
+
 void mfsdp_sched_direct_ring(const mfsdp_group_sched_t *gs, const mfsdp_sched_seg_t *s,
                              size_t chunk_elems, size_t *stride_p, size_t *nslots_p)
 {
@@ -397,8 +404,7 @@ mfsdp_status_t mfsdp_sched_build(const mfsdp_group_sched_t *gs, int rank, mfsdp_
     int n = gs->world;
     int has_tail = dir == MFSDP_SCHED_DIR_GATHER ? gs->tail_ag_bytes != 0 : gs->tail_rs_elems != 0;
     if (has_tail) {
-        mfsdp_sched_op_t op =
-            mkop(MFSDP_SCHED_TAIL, 0, 0, MFSDP_BUF_STAGE, 0, 0, SCHED_TAG_LIMIT - 1, -1);
+        mfsdp_sched_op_t op = tail_op();
         push(&l, &op);
     }
     for (size_t i = 0; i < gs->nsegs; i++) {
@@ -425,7 +431,7 @@ mfsdp_status_t mfsdp_sched_build_tail(mfsdp_sched_ops_t *ops_p)
     if (op == NULL) {
         return MFSDP_ERR_NO_MEMORY;
     }
-    *op = mkop(MFSDP_SCHED_TAIL, 0, 0, MFSDP_BUF_STAGE, 0, 0, SCHED_TAG_LIMIT - 1, -1);
+    *op = tail_op();
     *ops_p = (mfsdp_sched_ops_t){.nops = 1, .ops = op};
     return MFSDP_OK;
 }
