@@ -2041,28 +2041,30 @@ static int64_t ts_rows(const mfsdp_shard_t *sh, int r)
     return nrows < 0 ? 0 : (nrows > sh->fsdp_c ? sh->fsdp_c : nrows);
 }
 
-/* FSDP2's copy-out: the rank-major gathered group -> the param's contiguous rows. */
-static void ts_copy_out(const ts_ctx_t *t, size_t g, const mfsdp_shard_t *sh, float *dst)
+/* Where param sh lies in group g's rank-major FSDP buffer (fp32). */
+static mfsdp_strided_geom_t ts_geom(const ts_ctx_t *t, size_t g, const mfsdp_shard_t *sh)
 {
-    for (int r = 0; r < g_world; r++) {
-        const int64_t nrows = ts_rows(sh, r);
-        memcpy(dst + (size_t)(r * sh->fsdp_c * sh->cols),
-               t->full + (size_t)r * t->g[g].S + (size_t)sh->fsdp_o,
-               (size_t)(nrows * sh->cols) * sizeof(float));
-    }
+    return (mfsdp_strided_geom_t){.world = g_world,
+                                  .rows = sh->rows,
+                                  .rows_per_rank = sh->fsdp_c,
+                                  .row_bytes = (size_t)sh->cols * sizeof(float),
+                                  .rank_stride = t->g[g].S * sizeof(float),
+                                  .offset = (size_t)sh->fsdp_o * sizeof(float)};
+}
+
+/* FSDP2's copy-out: the rank-major gathered group -> the param's contiguous rows (the
+ * kernels' strided pack, as the runtime's). */
+static int ts_copy_out(const ts_ctx_t *t, size_t g, const mfsdp_shard_t *sh, float *dst)
+{
+    const mfsdp_strided_geom_t geom = ts_geom(t, g, sh);
+    return mfsdp_cpu_pack(dst, t->full, &geom) == MFSDP_OK ? 0 : -1;
 }
 
 /* FSDP2's copy-in: a param's contiguous gradient -> the reduce-scatter input, padding zero. */
-static void ts_copy_in(ts_ctx_t *t, size_t g, const mfsdp_shard_t *sh, const float *src)
+static int ts_copy_in(ts_ctx_t *t, size_t g, const mfsdp_shard_t *sh, const float *src)
 {
-    for (int r = 0; r < g_world; r++) {
-        const int64_t nrows = ts_rows(sh, r);
-        float *dst = t->rsin + (size_t)r * t->g[g].S + (size_t)sh->fsdp_o;
-        memcpy(dst, src + (size_t)(r * sh->fsdp_c * sh->cols),
-               (size_t)(nrows * sh->cols) * sizeof(float));
-        memset(dst + nrows * sh->cols, 0,
-               (size_t)((sh->fsdp_c - nrows) * sh->cols) * sizeof(float));
-    }
+    const mfsdp_strided_geom_t geom = ts_geom(t, g, sh);
+    return mfsdp_cpu_unpack(t->rsin, src, &geom) == MFSDP_OK ? 0 : -1;
 }
 
 /* All-gather of group g: MPI_Allgather of the baseline's shard, or mfsdp's owner-broadcast. */
@@ -2106,7 +2108,7 @@ static int ts_reduce(ts_ctx_t *t, int sys, size_t g)
 }
 
 /* Forward of group g: Y = X W^T per weight W (out x in) on X (T x in). */
-static void ts_forward(ts_ctx_t *t, size_t g)
+static int ts_forward(ts_ctx_t *t, size_t g)
 {
     for (size_t i = 0; i < t->g[g].nshards; i++) {
         const mfsdp_shard_t *sh = ts_shard(t, g, i);
@@ -2114,14 +2116,17 @@ static void ts_forward(ts_ctx_t *t, size_t g)
             continue; /* norms: element-wise, no GEMM */
         }
         const size_t out = (size_t)sh->rows, in = (size_t)sh->cols;
-        ts_copy_out(t, g, sh, t->wc);
+        if (ts_copy_out(t, g, sh, t->wc) != 0) {
+            return -1;
+        }
         sgemm_rm(0, 1, t->T, out, in, t->xa, in, t->wc, in, t->ya, out);
     }
+    return 0;
 }
 
 /* Backward of group g, params in reverse order: dX = dY W, dW = dY^T X per weight; a norm's
  * gradient sum_t dY[t, j] X[t, j]; each gradient copied into the reduce-scatter input. */
-static void ts_backward(ts_ctx_t *t, size_t g)
+static int ts_backward(ts_ctx_t *t, size_t g)
 {
     for (size_t i = t->g[g].nshards; i-- > 0;) {
         const mfsdp_shard_t *sh = ts_shard(t, g, i);
@@ -2135,12 +2140,17 @@ static void ts_backward(ts_ctx_t *t, size_t g)
                 t->dwc[j] = (float)sum;
             }
         } else {
-            ts_copy_out(t, g, sh, t->wc);
+            if (ts_copy_out(t, g, sh, t->wc) != 0) {
+                return -1;
+            }
             sgemm_rm(0, 0, t->T, in, out, t->dy, out, t->wc, in, t->dxa, in);
             sgemm_rm(1, 0, out, in, t->T, t->dy, out, t->xa, in, t->dwc, in);
         }
-        ts_copy_in(t, g, sh, t->dwc);
+        if (ts_copy_in(t, g, sh, t->dwc) != 0) {
+            return -1;
+        }
     }
+    return 0;
 }
 
 /* AdamW on the baseline's shards of every param of the given role (real rows only). */
@@ -2215,7 +2225,9 @@ static int ts_step(ts_ctx_t *t, int sys, ts_times_t *tm)
             return -1;
         }
         const double t1 = now_s();
-        ts_forward(t, g);
+        if (ts_forward(t, g) != 0) {
+            return -1;
+        }
         tm->comm += t1 - t0;
         tm->gather += t1 - t0;
         tm->compute += now_s() - t1;
@@ -2226,7 +2238,9 @@ static int ts_step(ts_ctx_t *t, int sys, ts_times_t *tm)
             return -1;
         }
         const double t1 = now_s();
-        ts_backward(t, g);
+        if (ts_backward(t, g) != 0) {
+            return -1;
+        }
         const double t2 = now_s();
         if (ts_reduce(t, sys, g) != 0) {
             return -1;
