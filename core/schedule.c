@@ -155,11 +155,22 @@ static mfsdp_sched_op_t mkop(mfsdp_sched_kind_t kind, uint32_t seg, int peer, mf
     for (size_t off = 0, len = 0;                                                                  \
          off < (total) && ((len = ((total)-off < (step) ? (total)-off : (step))), 1); off += len)
 
-static void gather_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int rank, int n,
-                       mfsdp_algo_t algo, size_t chunk)
+/* The runs [off, off + len) of a tensor of total bytes, cut at FSDP's rank blocks of
+ * block bytes and at MFSDP_SCHED_MAX_MSG: each run is contiguous in FSDP's all-gather output
+ * (one receive lands it there in place, with no datatype and no staging). */
+#define FOR_BLOCK_RUNS(off, len, total, block)                                                     \
+    for (size_t j_ = 0; (block) != 0 && j_ * (block) < (total); j_++)                              \
+        FOR_CHUNKS(po_, len, (total)-j_ *(block) < (block) ? (total)-j_ * (block) : (block),       \
+                   MFSDP_SCHED_MAX_MSG)                                                            \
+    for (size_t off = j_ * (block) + po_, once_ = 1; once_ != 0; once_ = 0)
+
+static void gather_ops(const mfsdp_group_sched_t *gs, oplist_t *l, const mfsdp_sched_seg_t *s,
+                       uint32_t si, int rank, int n, mfsdp_algo_t algo, size_t chunk)
 {
     int tag = SCHED_TAGS_PER_SEG * (int)si;
     int o = s->owner;
+    const mfsdp_param_layout_t *e = &gs->layout->ag.entries[s->param];
+    size_t block = (size_t)e->c * e->row_bytes; /* bytes of one rank block of the tensor */
     if (n == 1) {
         return; /* the owner's copy is the whole result */
     }
@@ -170,7 +181,7 @@ static void gather_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
                 if (j == o) {
                     continue;
                 }
-                FOR_CHUNKS(off, len, s->ag_bytes, MFSDP_SCHED_MAX_MSG)
+                FOR_BLOCK_RUNS(off, len, s->ag_bytes, block)
                 {
                     mfsdp_sched_op_t op =
                         mkop(MFSDP_SCHED_SEND, si, j, MFSDP_BUF_SRC, off, len, tag, -1);
@@ -178,7 +189,7 @@ static void gather_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
                 }
             }
         } else {
-            FOR_CHUNKS(off, len, s->ag_bytes, MFSDP_SCHED_MAX_MSG)
+            FOR_BLOCK_RUNS(off, len, s->ag_bytes, block)
             {
                 mfsdp_sched_op_t op =
                     mkop(MFSDP_SCHED_RECV, si, o, MFSDP_BUF_STAGE, off, len, tag, -1);
@@ -228,7 +239,7 @@ static void gather_ops(oplist_t *l, const mfsdp_sched_seg_t *s, uint32_t si, int
         break;
     }
     default: /* NATIVE */
-        FOR_CHUNKS(off, len, s->ag_bytes, MFSDP_SCHED_MAX_MSG)
+        FOR_BLOCK_RUNS(off, len, s->ag_bytes, block)
         {
             mfsdp_sched_op_t op =
                 mkop(MFSDP_SCHED_BCAST, si, o, rank == o ? MFSDP_BUF_SRC : MFSDP_BUF_STAGE, off,
@@ -410,7 +421,7 @@ mfsdp_status_t mfsdp_sched_build(const mfsdp_group_sched_t *gs, int rank, mfsdp_
     for (size_t i = 0; i < gs->nsegs; i++) {
         const mfsdp_sched_seg_t *s = &gs->segs[i];
         if (dir == MFSDP_SCHED_DIR_GATHER) {
-            gather_ops(&l, s, (uint32_t)i, rank, n, algo, chunk);
+            gather_ops(gs, &l, s, (uint32_t)i, rank, n, algo, chunk);
         } else if (s->rs_entry >= 0) {
             reduce_ops(gs, &l, s, (uint32_t)i, rank, n, algo, chunk / sizeof(float),
                        MFSDP_SCHED_MAX_MSG / sizeof(float));

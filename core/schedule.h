@@ -158,6 +158,8 @@ void mfsdp_group_sched_destroy(mfsdp_group_sched_t *gs);
  * Op list of rank for one direction and algorithm (DIRECT, CHAIN or NATIVE; AUTO is
  * rejected: resolve it first). chunk: pipeline chunk of CHAIN in bytes (>= 4).
  *  - DIRECT gather: the owner sends its copy to each rank in rank order; others receive.
+ *    Cut at FSDP's rank blocks (and MFSDP_SCHED_MAX_MSG): every run is contiguous in the
+ *    all-gather output, where a receiver lands it in place as plain bytes.
  *    DIRECT reduce: a pipeline of chunks of at most chunk / 4 elements, cut at FSDP's rank
  *    blocks: every rank sends each chunk of its contribution straight from FSDP's input
  *    (RSIN) to the owner; the owner receives chunk k from every other rank into ring slot
@@ -169,7 +171,8 @@ void mfsdp_group_sched_destroy(mfsdp_group_sched_t *gs);
  *    0 -> 1 -> ... -> n-1 (each adds its contribution, so the sum is in rank order) and then
  *    to the owner. Chains stage a ring of MFSDP_SCHED_WINDOW chunks per segment, not the
  *    whole tensor.
- *  - NATIVE: one broadcast / one fp32 reduce per segment (split at MFSDP_SCHED_MAX_MSG).
+ *  - NATIVE: one broadcast per rank-block run (cut as the direct gather) / one fp32 reduce
+ *    per segment (split at MFSDP_SCHED_MAX_MSG).
  * A group with a sharded tail gets one TAIL op first. All ops of a group are meant to be
  * in flight together (one completion loop), or run wave by wave (op->wave): the direct gather
  * and native are one wave; a chain hop h (rank h-1 to h in the reduce, position h-1 to h from the

@@ -205,20 +205,12 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
     };
     MFSDP_CHECK(ctx->tp->ops->run(ctx->tp, &x));
 
-    /* Unpack: one strided copy per received tensor that was staged (padding rows zeroed), or
-     * only the padding for tensors received in place, and the tail. The own tensors were
-     * unpacked while the transfers ran. */
+    /* Every received tensor landed in place in FSDP's output (the chain copied its chunks
+     * out): only its padding rows are zeroed here, and the tail unpacked. The own tensors
+     * were unpacked while the transfers ran. */
     for (size_t i = 0; i < gs->nsegs; i++) {
         const mfsdp_sched_seg_t *s = &gs->segs[i];
         if (s->owner == ctx->rank) {
-            continue;
-        }
-        const void *full = ctx->gather_algo == MFSDP_ALGO_CHAIN ? NULL /* copied out */
-                                                                : gst->bufs[i].stage;
-        if (full != NULL) {
-            mfsdp_strided_geom_t geom;
-            mfsdp_ctx_geom(ag, &ag->entries[s->param], ctx->world, &geom);
-            MFSDP_CHECK(ctx->exec->ops->unpack(ctx->exec, recvbuf, full, &geom));
             continue;
         }
         for (int r = 0; r < ctx->world; r++) {

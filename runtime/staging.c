@@ -55,10 +55,7 @@ mfsdp_status_t mfsdp_ctx_bind_gather(struct mfsdp_ctx *ctx, size_t g, char *base
         } else if (ctx->gather_algo == MFSDP_ALGO_CHAIN) {
             /* A ring of chunks: each is copied out and forwarded from there. */
             b->stage = carve(&c, mfsdp_sched_ring(s->ag_bytes, ctx->chunk));
-        } else if (s->ag_bytes > MFSDP_SCHED_MAX_MSG) {
-            /* Too large for one in-place receive: staged, then unpacked. */
-            b->stage = carve(&c, s->ag_bytes);
-        }
+        } /* direct and native: every run lands in place in FSDP's output (no staging) */
     }
     if (gs->tail_ag_bytes != 0) {
         /* Own slices packed (they are not contiguous in the arena); the all-gather lands

@@ -378,16 +378,13 @@ static mfsdp_status_t post_gather(nccl_transport_t *t, const mfsdp_xfer_t *x,
                                   const mfsdp_sched_op_t *op, long i)
 {
     const mfsdp_sched_seg_t *s = &x->gs->segs[op->seg];
-    const mfsdp_buffer_layout_t *ag = &x->gs->layout->ag;
-    const mfsdp_param_layout_t *e = &ag->entries[s->param];
-    size_t block = (size_t)e->c * e->row_bytes;
     size_t elt;
     char *buf = mfsdp_xfer_buf(x, op, &elt);
     int me = t->base.rank;
     int receiving =
         op->kind == MFSDP_SCHED_RECV || (op->kind == MFSDP_SCHED_BCAST && op->peer != me);
     int into_out = receiving && op->buf == MFSDP_BUF_STAGE && x->bufs[op->seg].stage == NULL;
-    if ((into_out && x->ag_out == NULL) || (!into_out && buf == NULL) || block == 0 ||
+    if ((into_out && x->ag_out == NULL) || (!into_out && buf == NULL) ||
         op->off + op->len > s->ag_bytes) {
         MFSDP_WARN("segment %u: no buffer bound for op %ld, or a range outside the tensor", op->seg,
                    i);
@@ -395,10 +392,13 @@ static mfsdp_status_t post_gather(nccl_transport_t *t, const mfsdp_xfer_t *x,
     }
     size_t end = op->off + op->len;
     for (size_t pos = op->off; pos < end;) {
-        size_t j = pos / block;
-        size_t run = ((j + 1) * block < end ? (j + 1) * block : end) - pos;
-        char *p = into_out ? (char *)x->ag_out + j * ag->bytes + e->o_bytes + (pos - j * block)
-                           : buf + op->boff + (pos - op->off);
+        size_t run;
+        char *out = mfsdp_xfer_ag_at(x, op->seg, pos, &run);
+        if (out == NULL) {
+            return MFSDP_ERR_INTERNAL;
+        }
+        run = run < end - pos ? run : end - pos;
+        char *p = into_out ? out : buf + op->boff + (pos - op->off);
         ncclResult_t r;
         const char *name;
         switch (op->kind) {

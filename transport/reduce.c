@@ -43,6 +43,22 @@ void *mfsdp_xfer_buf(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, size_t *
     return p;
 }
 
+char *mfsdp_xfer_ag_at(const mfsdp_xfer_t *x, uint32_t seg, size_t pos, size_t *run_p)
+{
+    const mfsdp_sched_seg_t *s = &x->gs->segs[seg];
+    const mfsdp_buffer_layout_t *ag = &x->gs->layout->ag;
+    const mfsdp_param_layout_t *e = &ag->entries[s->param];
+    size_t block = (size_t)e->c * e->row_bytes; /* bytes of one rank's rows */
+    if (x->ag_out == NULL || block == 0 || pos >= s->ag_bytes) {
+        *run_p = 0;
+        return NULL;
+    }
+    size_t j = pos / block;
+    size_t end = (j + 1) * block < s->ag_bytes ? (j + 1) * block : s->ag_bytes;
+    *run_p = end - pos;
+    return (char *)x->ag_out + j * ag->bytes + e->o_bytes + (pos - j * block);
+}
+
 /* Combine elements [off, off+len) of a tensor's contribution read in place from FSDP's
  * reduce-scatter input: the range is cut into runs that are contiguous there (the rows of
  * one rank block), so no packed copy of the contribution is needed. */
@@ -87,22 +103,21 @@ mfsdp_status_t mfsdp_xfer_prepare(const mfsdp_xfer_t *x, const mfsdp_sched_op_t 
  * pieces of FSDP's all-gather output (cut at rank-block boundaries). */
 static mfsdp_status_t copy_out(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op)
 {
-    const mfsdp_sched_seg_t *s = &x->gs->segs[op->seg];
-    const mfsdp_buffer_layout_t *ag = &x->gs->layout->ag;
-    const mfsdp_param_layout_t *e = &ag->entries[s->param];
     const char *src = (const char *)x->bufs[op->seg].stage;
     if (src == NULL || x->ag_out == NULL) {
         MFSDP_WARN("gather segment %u: no staging or output buffer", op->seg);
         return MFSDP_ERR_INTERNAL;
     }
     src += op->boff;
-    size_t block = (size_t)e->c * e->row_bytes; /* bytes of one rank's rows */
     size_t end = op->off + op->len;
     for (size_t i = op->off; i < end;) {
-        size_t j = i / block;
-        size_t run = ((j + 1) * block < end ? (j + 1) * block : end) - i;
-        MFSDP_CHECK(x->exec->ops->copy(
-            x->exec, (char *)x->ag_out + j * ag->bytes + e->o_bytes + (i - j * block), src, run));
+        size_t run;
+        char *dst = mfsdp_xfer_ag_at(x, op->seg, i, &run);
+        if (dst == NULL) {
+            return MFSDP_ERR_INTERNAL;
+        }
+        run = run < end - i ? run : end - i;
+        MFSDP_CHECK(x->exec->ops->copy(x->exec, dst, src, run));
         src += run;
         i += run;
     }

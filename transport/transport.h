@@ -119,6 +119,10 @@ struct mfsdp_transport {
  * gather, the reduce dtype for SRC/STAGE (STAGE at the op's slot) and fp32 for PIN, POUT
  * and FINAL in the reduce. NULL when the runtime bound none. */
 void *mfsdp_xfer_buf(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, size_t *elt_p);
+/* Where byte pos of segment seg's tensor lies in FSDP's all-gather output (x->ag_out), and in
+ * *run_p how many bytes from there are contiguous (to the end of its rank block). NULL (and
+ * 0) without an output or for pos outside the tensor. */
+char *mfsdp_xfer_ag_at(const mfsdp_xfer_t *x, uint32_t seg, size_t pos, size_t *run_p);
 /* Run the local (APPLY, COPYOUT) op of an op list. srcv: world entries of scratch for a
  * direct reduce's ordered sum (the transport's, kept with the op list), or NULL to allocate
  * them for this call. */

@@ -278,6 +278,37 @@ ParameterizedTest(sched_param_t *prm, schedule, symmetric)
             for (int r = 0; r < n; r++) {
                 check_match_order(&ops[r], r, what);
             }
+            /* Direct and native gathers: on every rank but the owner, the ops of a segment tile
+             * its tensor in order, each inside one rank block (contiguous in FSDP's output,
+             * where it is received in place as plain bytes). */
+            if (dir == MFSDP_SCHED_DIR_GATHER && prm->algo != MFSDP_ALGO_CHAIN) {
+                for (size_t s = 0; s < gs->nsegs; s++) {
+                    const mfsdp_param_layout_t *e = &gs->layout->ag.entries[gs->segs[s].param];
+                    size_t block = (size_t)e->c * e->row_bytes;
+                    for (int r = 0; r < n && n > 1; r++) {
+                        if (r == gs->segs[s].owner) {
+                            continue;
+                        }
+                        size_t next = 0;
+                        for (size_t i = 0; i < ops[r].nops; i++) {
+                            const mfsdp_sched_op_t *o = &ops[r].ops[i];
+                            if (o->seg != s || o->kind == MFSDP_SCHED_TAIL) {
+                                continue;
+                            }
+                            cr_assert_eq(o->off, next, "%s: segment %zu rank %d: gap at %zu", what,
+                                         s, r, next);
+                            cr_assert(o->len > 0 && o->off / block == (o->off + o->len - 1) / block,
+                                      "%s: segment %zu rank %d: op [%zu, +%zu) crosses a rank "
+                                      "block of %zu bytes",
+                                      what, s, r, o->off, o->len, block);
+                            next += o->len;
+                        }
+                        cr_assert_eq(next, gs->segs[s].ag_bytes,
+                                     "%s: segment %zu rank %d: %zu of %zu bytes", what, s, r, next,
+                                     gs->segs[s].ag_bytes);
+                    }
+                }
+            }
             /* Each owned tensor with a gradient is applied exactly once on its owner. */
             if (dir == MFSDP_SCHED_DIR_REDUCE) {
                 for (size_t s = 0; s < gs->nsegs; s++) {
