@@ -7,10 +7,20 @@
 #define MFSDP_CORE_CHECKS_H
 
 #include <errno.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "core/log.h"
 #include "mfsdp/status.h"
+
+/* A one-line message into the (char *err, size_t errlen) of the enclosing function, when the
+ * caller gave a buffer. */
+#define SETERR(...)                                                                                \
+    do {                                                                                           \
+        if (err != NULL && errlen > 0) {                                                           \
+            snprintf(err, errlen, __VA_ARGS__);                                                    \
+        }                                                                                          \
+    } while (0)
 
 /* Propagate a failing mfsdp_status_t. */
 #define MFSDP_CHECK(call)                                                                          \

@@ -51,6 +51,10 @@
       "owner-broadcast algorithm for the all-gather")                                              \
     X(ENUM, MFSDP_REDUCE_ALGO, reduce_algo, "auto", "auto|direct|chain|native",                    \
       "reduce-to-owner algorithm for the reduce-scatter")                                          \
+    X(STR, MFSDP_ALGO_TABLE, algo_table, "", "",                                                   \
+      "measured algorithm table (CSV, written by mfsdp-perf --tune-out): 'auto' takes each "       \
+      "group's algorithm from its first row matching (collective, ranks, buffer bytes); "          \
+      "unset or no match: the built-in rule (docs/PERFORMANCE.md)")                                \
     X(SIZE, MFSDP_CHAIN_CHUNK, chain_chunk, "1M", "", "chunk bytes of the chain pipeline")         \
     X(SIZE, MFSDP_STAGING_BYTES, staging_bytes, "64M", "",                                         \
       "communication staging per rank: the direct reduce-to-owner's chunks are sized so that "     \

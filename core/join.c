@@ -11,13 +11,6 @@
 #include "core/matcher.h"
 #include "core/rs_subset.h"
 
-#define SETERR(...)                                                                                \
-    do {                                                                                           \
-        if (err != NULL && errlen > 0) {                                                           \
-            snprintf(err, errlen, __VA_ARGS__);                                                    \
-        }                                                                                          \
-    } while (0)
-
 /* Pass templates of a configuration: index kind * 2 + warm, where a warm pass follows a
  * forward-only pass (groups that do not reshard after forward are still unsharded). */
 #define NTMPL            6

@@ -51,13 +51,6 @@ struct mfsdp_matcher {
     char fail_msg[1024];
 };
 
-#define SETERR(...)                                                                                \
-    do {                                                                                           \
-        if (err != NULL && errlen > 0) {                                                           \
-            snprintf(err, errlen, __VA_ARGS__);                                                    \
-        }                                                                                          \
-    } while (0)
-
 static const char *kind_name(mfsdp_call_kind_t k)
 {
     return k == MFSDP_CALL_ALLGATHER ? "allgather" : "reduce_scatter";

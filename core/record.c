@@ -7,13 +7,6 @@
 
 #include "core/checks.h"
 
-#define SETERR(...)                                                                                \
-    do {                                                                                           \
-        if (err != NULL && errlen > 0) {                                                           \
-            snprintf(err, errlen, __VA_ARGS__);                                                    \
-        }                                                                                          \
-    } while (0)
-
 mfsdp_status_t mfsdp_record_comm_append(mfsdp_record_comm_t *rc, const mfsdp_call_sig_t *sig,
                                         const char *op, size_t max)
 {

@@ -8,14 +8,8 @@
 #include <string.h>
 #include <strings.h>
 
+#include "core/algo_table.h"
 #include "core/checks.h"
-
-#define SETERR(...)                                                                                \
-    do {                                                                                           \
-        if (err != NULL && errlen > 0) {                                                           \
-            snprintf(err, errlen, __VA_ARGS__);                                                    \
-        }                                                                                          \
-    } while (0)
 
 uint64_t mfsdp_hash_bytes(uint64_t h, const void *p, size_t n)
 {
@@ -322,8 +316,10 @@ mfsdp_status_t mfsdp_settings_resolve(const mfsdp_manifest_t *m, const mfsdp_con
 
 /* Variables each rank may set as it likes: logging, local memory and threading. */
 static const char *const local_vars[] = {
-    "MFSDP_DEBUG",  "MFSDP_DEBUG_SUBSYS", "MFSDP_DEBUG_FILE", "MFSDP_MLOCK",  "MFSDP_NUMA_BIND",
-    "MFSDP_REPORT", "MFSDP_THREADS",      "MFSDP_MANIFEST",   "MFSDP_RECORD", "MFSDP_TUNER_CONFIG",
+    "MFSDP_DEBUG",     "MFSDP_DEBUG_SUBSYS", "MFSDP_DEBUG_FILE", "MFSDP_MLOCK",
+    "MFSDP_NUMA_BIND", "MFSDP_REPORT",       "MFSDP_THREADS",    "MFSDP_MANIFEST",
+    "MFSDP_RECORD",    "MFSDP_TUNER_CONFIG", "MFSDP_ALGO_TABLE", /* a path: compared by content
+                                                                    below */
 };
 
 void mfsdp_fp_item_set(mfsdp_fp_item_t *it, const char *name, const char *value)
@@ -368,6 +364,24 @@ size_t mfsdp_settings_fingerprint(const mfsdp_manifest_t *m, int world, const mf
         if (!local) {
             mfsdp_fp_item_set(&items[n++], name, value);
         }
+    }
+    if (cfg != NULL && cfg->algo_table != NULL && cfg->algo_table[0] != '\0' && n < MFSDP_FP_MAX) {
+        /* The table by its rows (the path may differ per node): ranks that would pick other
+         * algorithms would post messages their peers never match. */
+        mfsdp_algo_table_t t;
+        if (mfsdp_algo_table_load(cfg->algo_table, &t, NULL, 0) == MFSDP_OK) {
+            uint64_t h = MFSDP_HASH_INIT;
+            for (size_t i = 0; i < t.nrows; i++) {
+                char row[160];
+                mfsdp_algo_row_format(&t.rows[i], row, sizeof(row));
+                h = mfsdp_hash_bytes(h, row, strlen(row) + 1);
+            }
+            snprintf(v, sizeof(v), "%zu rows, hash %016llx", t.nrows, (unsigned long long)h);
+            mfsdp_algo_table_free(&t);
+        } else {
+            snprintf(v, sizeof(v), "(unreadable)");
+        }
+        mfsdp_fp_item_set(&items[n++], "MFSDP_ALGO_TABLE (its rows)", v);
     }
     return n;
 }
