@@ -41,6 +41,7 @@
 #include <unistd.h>
 #include <sys/stat.h>
 
+#include "core/algo_table.h"
 #include "core/config.h"
 #include "core/layout.h"
 #include "mfsdp/checkpoint.h"
@@ -565,7 +566,8 @@ typedef struct coll_state {
     mfsdp_dtype_t dtype;
     int segments;
     const char *manifest;
-    int algo; /* -1: every algorithm in turn */
+    int algo;             /* -1: every algorithm in turn */
+    const char *tune_out; /* --tune-out: the algorithm table to write (NULL: none) */
 } coll_state_t;
 
 #define COLL_USAGE                                                                                 \
@@ -579,27 +581,18 @@ typedef struct coll_state {
     "      --manifest FILE        segments: the params of the manifest's group with the most "     \
     "params\n"                                                                                     \
     "      --algo A               direct, chain, native, auto or all (default all, in turn)\n"     \
+    "      --tune-out FILE        write the fastest algorithm per size (in-place all-gather, "     \
+    "reduce-scatter) as MFSDP_ALGO_TABLE rows for this collective and rank count (other rows "     \
+    "of FILE are kept; needs --algo all)\n"                                                        \
     "  env MFSDP_PERF_CORRUPT=1   test only: flip one element of mfsdp's result (#wrong > 0)\n"
 
 static const struct option coll_long_opts[] = {
-    {"minbytes", required_argument, NULL, 'b'},
-    {"maxbytes", required_argument, NULL, 'e'},
-    {"stepfactor", required_argument, NULL, 'f'},
-    {"datatype", required_argument, NULL, 'd'},
-    {"op", required_argument, NULL, 'o'},
-    {"segments", required_argument, NULL, 'K'},
-    {"manifest", required_argument, NULL, 'M'},
-    {"algo", required_argument, NULL, 'A'},
-    {NULL, 0, NULL, 0},
+    {"minbytes", required_argument, NULL, 'b'},   {"maxbytes", required_argument, NULL, 'e'},
+    {"stepfactor", required_argument, NULL, 'f'}, {"datatype", required_argument, NULL, 'd'},
+    {"op", required_argument, NULL, 'o'},         {"segments", required_argument, NULL, 'K'},
+    {"manifest", required_argument, NULL, 'M'},   {"algo", required_argument, NULL, 'A'},
+    {"tune-out", required_argument, NULL, 'T'},   {NULL, 0, NULL, 0},
 };
-
-static const char *algo_str(mfsdp_algo_t a)
-{
-    return a == MFSDP_ALGO_DIRECT   ? "direct"
-           : a == MFSDP_ALGO_CHAIN  ? "chain"
-           : a == MFSDP_ALGO_NATIVE ? "native"
-                                    : "auto";
-}
 
 static void coll_defaults(void *state)
 {
@@ -611,6 +604,7 @@ static void coll_defaults(void *state)
     st->segments = 8;
     st->manifest = NULL;
     st->algo = -1;
+    st->tune_out = NULL;
 }
 
 static void allgather_defaults(void *state)
@@ -667,6 +661,9 @@ static int coll_parse_opt(void *state, int opt, const char *arg)
         } else {
             return -1;
         }
+        return 0;
+    case 'T':
+        st->tune_out = arg;
         return 0;
     default:
         return -1;
@@ -1110,6 +1107,73 @@ static void coll_print(const coll_state_t *st, const perf_opts_t *o, const coll_
     fflush(stdout);
 }
 
+/* --tune-out: the fastest algorithm at each measured size as MFSDP_ALGO_TABLE rows for this
+ * collective and world size, boundaries at the geometric means of neighbouring sizes (the
+ * first row from 0 bytes, the last without bound), equal neighbours merged; FILE's rows for
+ * other collectives or rank counts are kept. Rank 0 only. Returns 0, or 1 with a message. */
+#define COLL_MAX_SIZES 64
+static int coll_write_table(const coll_state_t *st, const size_t *size, const mfsdp_algo_t *best,
+                            int nsizes)
+{
+    mfsdp_algo_table_t old = {0};
+    char err[512];
+    if (access(st->tune_out, F_OK) == 0 &&
+        mfsdp_algo_table_load(st->tune_out, &old, err, sizeof(err)) != MFSDP_OK) {
+        fprintf(stderr, "mfsdp-perf: --tune-out: not overwriting %s: %s\n", st->tune_out, err);
+        return 1;
+    }
+    char tmp[4096];
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp", st->tune_out) >= (int)sizeof(tmp)) {
+        fprintf(stderr, "mfsdp-perf: --tune-out: path too long\n");
+        mfsdp_algo_table_free(&old);
+        return 1;
+    }
+    FILE *f = fopen(tmp, "w");
+    if (f == NULL) {
+        fprintf(stderr, "mfsdp-perf: --tune-out: cannot write %s: %s\n", tmp, strerror(errno));
+        mfsdp_algo_table_free(&old);
+        return 1;
+    }
+    char line[160];
+    fprintf(f, "# mfsdp algorithm table (MFSDP_ALGO_TABLE), written by mfsdp-perf --tune-out:\n"
+               "# the fastest mfsdp algorithm measured per buffer size (all-gather in place, "
+               "reduce-scatter out of place); the first matching row wins\n"
+               "coll,nranks,min_bytes,max_bytes,algo\n");
+    for (size_t i = 0; i < old.nrows; i++) {
+        if (old.rows[i].reduce != st->reduce || old.rows[i].nranks != g_world) {
+            mfsdp_algo_row_format(&old.rows[i], line, sizeof(line));
+            fprintf(f, "%s\n", line);
+        }
+    }
+    mfsdp_algo_table_free(&old);
+    for (int i = 0; i < nsizes;) {
+        int j = i;
+        while (j + 1 < nsizes && best[j + 1] == best[i]) {
+            j++;
+        }
+        mfsdp_algo_row_t r = {
+            .reduce = st->reduce,
+            .nranks = g_world,
+            .min_bytes = i == 0 ? 0 : (size_t)sqrt((double)size[i - 1] * (double)size[i]) + 1,
+            .max_bytes =
+                j == nsizes - 1 ? SIZE_MAX : (size_t)sqrt((double)size[j] * (double)size[j + 1]),
+            .algo = best[i],
+        };
+        mfsdp_algo_row_format(&r, line, sizeof(line));
+        fprintf(f, "%s\n", line);
+        i = j + 1;
+    }
+    if (fclose(f) != 0 || rename(tmp, st->tune_out) != 0) {
+        fprintf(stderr, "mfsdp-perf: --tune-out: writing %s failed: %s\n", st->tune_out,
+                strerror(errno));
+        unlink(tmp);
+        return 1;
+    }
+    fprintf(stderr, "# --tune-out: %d size(s) of %s at %d ranks written to %s\n", nsizes,
+            st->reduce ? "reducescatter" : "allgather", g_world, st->tune_out);
+    return 0;
+}
+
 static int coll_run_all(const perf_opts_t *o, void *state)
 {
     const coll_state_t *st = state;
@@ -1126,6 +1190,12 @@ static int coll_run_all(const perf_opts_t *o, void *state)
     if (st->minbytes > st->maxbytes) {
         if (g_rank == 0) {
             fprintf(stderr, "mfsdp-perf: -b %zu is above -e %zu\n", st->minbytes, st->maxbytes);
+        }
+        return 2;
+    }
+    if (st->tune_out != NULL && st->algo >= 0) {
+        if (g_rank == 0) {
+            fprintf(stderr, "mfsdp-perf: --tune-out compares every algorithm: drop --algo\n");
         }
         return 2;
     }
@@ -1178,9 +1248,14 @@ static int coll_run_all(const perf_opts_t *o, void *state)
     int rc = 0;
     double t[COLL_NOPS][64];
     const int iters = o->iters < 64 ? o->iters : 64;
+    size_t tsize[COLL_MAX_SIZES];       /* --tune-out: the sizes measured */
+    mfsdp_algo_t tbest[COLL_MAX_SIZES]; /* ... and the fastest algorithm at each */
+    double tbest_s = 0.0;
+    int ntune = 0;
     for (size_t bytes = st->minbytes; bytes <= st->maxbytes && rc == 0;
          bytes *= (size_t)st->factor) {
         coll_shape(&c, w, bytes);
+        const int tune = st->tune_out != NULL && ntune < COLL_MAX_SIZES;
         for (int a = 0; a < nalgo && rc == 0; a++) {
             int ok = coll_setup(&c, algos[a]) == 0;
             int all_ok = ok;
@@ -1217,6 +1292,13 @@ static int coll_run_all(const perf_opts_t *o, void *state)
                 for (int op = 0; op < nops; op++) {
                     med[op] = median(t[op], iters);
                 }
+                /* FSDP2 gathers in place and reduce-scatters out of place */
+                const double mine_s = med[st->reduce ? 2 : 3];
+                if (tune && (a == 0 || mine_s < tbest_s)) {
+                    tsize[ntune] = c.S * (size_t)g_world;
+                    tbest[ntune] = algos[a];
+                    tbest_s = mine_s;
+                }
                 mfsdp_ctx_stats_t s;
                 memset(&s, 0, sizeof(s));
                 mfsdp_ctx_get_stats(c.ctx, &s);
@@ -1225,9 +1307,9 @@ static int coll_run_all(const perf_opts_t *o, void *state)
                 if (g_rank == 0) {
                     char sys[32];
                     coll_print(st, o, &c, "native", med, wrong, 2, NULL, 0, 0);
-                    snprintf(sys, sizeof(sys), "mfsdp-%s", algo_str(s.gather_algo));
+                    snprintf(sys, sizeof(sys), "mfsdp-%s", mfsdp_algo_name(s.gather_algo));
                     if (st->reduce) {
-                        snprintf(sys, sizeof(sys), "mfsdp-%s", algo_str(s.reduce_algo));
+                        snprintf(sys, sizeof(sys), "mfsdp-%s", mfsdp_algo_name(s.reduce_algo));
                     }
                     const double ratio[2] = {med[0] / med[2], nops > 3 ? med[1] / med[3] : 0.0};
                     coll_print(st, o, &c, sys, med + 2, wrong + 2, nops - 2, ratio, (size_t)mx[0],
@@ -1241,9 +1323,13 @@ static int coll_run_all(const perf_opts_t *o, void *state)
             }
             coll_teardown(&c);
         }
+        ntune += tune && rc == 0;
         if (st->factor < 2 || bytes > st->maxbytes / (size_t)st->factor) {
             break;
         }
+    }
+    if (rc == 0 && st->tune_out != NULL && g_rank == 0) {
+        rc = coll_write_table(st, tsize, tbest, ntune);
     }
     if (c.dt == MFSDP_BFLOAT16) {
         MPI_Op_free(&c.mop);

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/algo_table.h"
 #include "core/checks.h"
 #include "core/config.h"
 #include "core/settings.h"
@@ -47,7 +48,11 @@ mfsdp_status_t mfsdp_ctx_group_check(const struct mfsdp_ctx *ctx, size_t group, 
  * Creation (local part)
  */
 
-static mfsdp_algo_t resolve_algo(mfsdp_algo_t opt, int cfg, int world)
+/* The algorithm of one group and direction: the option given in code, else MFSDP_*_ALGO, else
+ * the first matching row of the measured table (MFSDP_ALGO_TABLE), else the built-in rule.
+ * Every input is agreed across ranks (the table by its rows), so every rank resolves alike. */
+static mfsdp_algo_t resolve_algo(mfsdp_algo_t opt, int cfg, const mfsdp_algo_table_t *table,
+                                 int reduce, int world, size_t bytes)
 {
     if (opt != MFSDP_ALGO_AUTO) {
         return opt;
@@ -62,9 +67,57 @@ static mfsdp_algo_t resolve_algo(mfsdp_algo_t opt, int cfg, int world)
     default:
         break;
     }
-    /* Provisional until the perf harness measures the crossover: the fixed-order direct
-     * reduction within a node-sized world, the pipelined chain (the ring's traffic) above. */
+    mfsdp_algo_t a;
+    if (mfsdp_algo_table_pick(table, reduce, world, bytes, &a)) {
+        return a;
+    }
+    /* Measured at 2 and 4 ranks (docs/PERFORMANCE.md): direct is the fastest there for both
+     * collectives at every size. Above a node-sized world the owner's n-1 sends of a whole
+     * tensor serialize on one link, which the pipelined chain spreads (not measured here). */
     return world <= 8 ? MFSDP_ALGO_DIRECT : MFSDP_ALGO_CHAIN;
+}
+
+/* Resolve every group's algorithms (gst->gather_algo, gst->reduce_algo) and the context's
+ * summary of them (AUTO when groups differ). */
+static mfsdp_status_t resolve_algos(struct mfsdp_ctx *ctx, const mfsdp_ctx_opts_t *opts,
+                                    const mfsdp_config_t *cfg)
+{
+    mfsdp_algo_table_t table = {0};
+    int want = opts->gather_algo == MFSDP_ALGO_AUTO || opts->reduce_algo == MFSDP_ALGO_AUTO;
+    if (want && cfg->algo_table != NULL && cfg->algo_table[0] != '\0') {
+        char err[512];
+        mfsdp_status_t st = mfsdp_algo_table_load(cfg->algo_table, &table, err, sizeof(err));
+        if (st != MFSDP_OK) {
+            MFSDP_WARN("MFSDP_ALGO_TABLE: %s", err);
+            return st == MFSDP_ERR_NO_MEMORY ? st : MFSDP_ERR_CONFIG;
+        }
+    }
+    size_t n = (size_t)ctx->world;
+    for (size_t g = 0; g < ctx->manifest->ngroups; g++) {
+        mfsdp_group_state_t *gst = &ctx->groups[g];
+        const mfsdp_group_layout_t *l = gst->gs->layout;
+        size_t agb = l->ag.bytes * n, rsb = l->rs.bytes * n; /* the whole buffers */
+        gst->gather_algo =
+            resolve_algo(opts->gather_algo, cfg->gather_algo, &table, 0, ctx->world, agb);
+        gst->reduce_algo =
+            resolve_algo(opts->reduce_algo, cfg->reduce_algo, &table, 1, ctx->world, rsb);
+        ctx->gather_algo =
+            g == 0 || gst->gather_algo == ctx->gather_algo ? gst->gather_algo : MFSDP_ALGO_AUTO;
+        ctx->reduce_algo =
+            g == 0 || gst->reduce_algo == ctx->reduce_algo ? gst->reduce_algo : MFSDP_ALGO_AUTO;
+        MFSDP_INFO(RUNTIME, "group %s: all-gather of %zu bytes: %s; reduce of %zu bytes: %s%s",
+                   ctx->manifest->groups[g].name, agb, mfsdp_algo_name(gst->gather_algo), rsb,
+                   mfsdp_algo_name(gst->reduce_algo),
+                   table.nrows != 0 ? " (MFSDP_ALGO_TABLE consulted)" : "");
+    }
+    if (ctx->manifest->ngroups == 0) {
+        ctx->gather_algo =
+            resolve_algo(opts->gather_algo, cfg->gather_algo, NULL, 0, ctx->world, 0);
+        ctx->reduce_algo =
+            resolve_algo(opts->reduce_algo, cfg->reduce_algo, NULL, 1, ctx->world, 0);
+    }
+    mfsdp_algo_table_free(&table);
+    return MFSDP_OK;
 }
 
 /* The reduce's staging plan of group g, the same on every rank: the sharded-tail reduce's
@@ -81,7 +134,7 @@ static mfsdp_status_t reduce_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk
     const char *gname = ctx->manifest->groups[g].name;
     size_t n = (size_t)ctx->world;
     size_t kmax = 0;
-    if (ctx->reduce_algo == MFSDP_ALGO_DIRECT && n > 1) {
+    if (ctx->groups[g].reduce_algo == MFSDP_ALGO_DIRECT && n > 1) {
         size_t *owned = calloc(n, sizeof(*owned));
         if (owned == NULL) {
             return MFSDP_ERR_NO_MEMORY;
@@ -134,9 +187,9 @@ static mfsdp_status_t build_ops(struct mfsdp_ctx *ctx, size_t g)
     mfsdp_group_state_t *gst = &ctx->groups[g];
     MFSDP_CHECK(reduce_plan(ctx, g, &gst->rs_chunk, &gst->tail_pass));
     MFSDP_CHECK(mfsdp_sched_build_tail(&gst->tail_ops));
-    MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_GATHER, ctx->gather_algo,
+    MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_GATHER, gst->gather_algo,
                                   ctx->chunk, &gst->ag_ops));
-    MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_REDUCE, ctx->reduce_algo,
+    MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_REDUCE, gst->reduce_algo,
                                   gst->rs_chunk, &gst->rs_ops));
     return MFSDP_OK;
 }
@@ -158,8 +211,6 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
     }
     ctx->manifest = manifest;
     ctx->hp = set.hp;
-    ctx->gather_algo = resolve_algo(opts->gather_algo, cfg->gather_algo, ctx->world);
-    ctx->reduce_algo = resolve_algo(opts->reduce_algo, cfg->reduce_algo, ctx->world);
     ctx->chunk = opts->chain_chunk != 0 ? opts->chain_chunk : cfg->chain_chunk;
     if (ctx->chunk < sizeof(float)) {
         MFSDP_WARN("chain chunk of %zu bytes is too small (at least %zu)", ctx->chunk,
@@ -243,6 +294,9 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
         for (size_t i = 0; i < gd->nparams; i++) {
             gst->full[i] = gd->params[i].requires_grad ? 1 : 0;
         }
+    }
+    MFSDP_CHECK(resolve_algos(ctx, opts, cfg));
+    for (size_t g = 0; g < ng; g++) {
         MFSDP_CHECK(build_ops(ctx, g));
     }
     ctx->awaiting = -1;
@@ -522,6 +576,20 @@ mfsdp_status_t mfsdp_ctx_get_stats(mfsdp_ctx_h ctx, mfsdp_ctx_stats_t *stats_p)
     s.step_mode = ctx->mode;
     s.accum_steps = ctx->accum;
     *stats_p = s;
+    return MFSDP_OK;
+}
+
+mfsdp_status_t mfsdp_ctx_group_algos(mfsdp_ctx_h ctx, size_t group, mfsdp_algo_t *gather_p,
+                                     mfsdp_algo_t *reduce_p)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    MFSDP_CHECK(mfsdp_ctx_group_check(ctx, group, "group_algos"));
+    if (gather_p != NULL) {
+        *gather_p = ctx->groups[group].gather_algo;
+    }
+    if (reduce_p != NULL) {
+        *reduce_p = ctx->groups[group].reduce_algo;
+    }
     return MFSDP_OK;
 }
 

@@ -43,6 +43,8 @@ typedef struct mfsdp_group_state {
     size_t rs_chunk;  /* the reduce schedule's chunk argument (direct: 4 x elements per chunk,
                          sized to the staging budget; chain: ctx->chunk) */
     size_t tail_pass; /* sharded-tail reduce: elements per rank block per pass */
+    mfsdp_algo_t gather_algo; /* resolved for this group (an algorithm table picks per group) */
+    mfsdp_algo_t reduce_algo;
     mfsdp_sched_ops_t tail_ops; /* its later passes (one TAIL op) */
 } mfsdp_group_state_t;
 
@@ -64,7 +66,7 @@ struct mfsdp_ctx {
     mfsdp_arena_slot_t *slots;   /* plan->nshards */
     mfsdp_group_state_t *groups; /* manifest->ngroups */
     /* resolved settings */
-    mfsdp_algo_t gather_algo;
+    mfsdp_algo_t gather_algo; /* every group's, or AUTO when the groups' differ */
     mfsdp_algo_t reduce_algo;
     size_t chunk;
     size_t budget; /* staging bytes per rank the direct reduce's chunks are sized to */

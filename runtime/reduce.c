@@ -53,7 +53,7 @@ static mfsdp_status_t rs_variant(struct mfsdp_ctx *ctx, size_t g, const unsigned
     }
     memcpy(v->mask, has_grad, np);
     MFSDP_CHECK_GOTO(mfsdp_group_sched_create_masked(ctx->plan, g, has_grad, &v->gs), st, err);
-    MFSDP_CHECK_GOTO(mfsdp_sched_build(v->gs, ctx->rank, MFSDP_SCHED_DIR_REDUCE, ctx->reduce_algo,
+    MFSDP_CHECK_GOTO(mfsdp_sched_build(v->gs, ctx->rank, MFSDP_SCHED_DIR_REDUCE, gst->reduce_algo,
                                        gst->rs_chunk, &v->rs_ops),
                      st, err);
     size_t need;

@@ -52,7 +52,7 @@ mfsdp_status_t mfsdp_ctx_bind_gather(struct mfsdp_ctx *ctx, size_t g, char *base
         memset(b, 0, sizeof(*b));
         if (s->owner == ctx->rank) {
             b->src = mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_COMM);
-        } else if (ctx->gather_algo == MFSDP_ALGO_CHAIN) {
+        } else if (gst->gather_algo == MFSDP_ALGO_CHAIN) {
             /* A ring of chunks: each is copied out and forwarded from there. */
             b->stage = carve(&c, mfsdp_sched_ring(s->ag_bytes, ctx->chunk));
         } /* direct and native: every run lands in place in FSDP's output (no staging) */
@@ -90,7 +90,7 @@ mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, const mfsd
         if (own) {
             b->grad = mfsdp_ctx_grad_target(ctx, s->shard);
         }
-        switch (ctx->reduce_algo) {
+        switch (gst->reduce_algo) {
         case MFSDP_ALGO_DIRECT:
             if (own && n > 1) {
                 /* The chunk pipeline's ring: slots of one chunk per source rank. */

@@ -66,8 +66,9 @@ typedef struct mfsdp_ctx_opts {
     /** 1: plan with @ref plan_opts; 0: plan with MFSDP_TAIL, MFSDP_MEM_LIMIT, MFSDP_SPREAD. */
     int has_plan_opts;
     mfsdp_plan_opts_t plan_opts; /**< used when @ref has_plan_opts is 1 */
-    /** Owner-broadcast algorithm; AUTO: MFSDP_GATHER_ALGO, and when that is auto too,
-     *  direct up to 8 ranks and chain above (provisional, until measured). */
+    /** Owner-broadcast algorithm; AUTO: MFSDP_GATHER_ALGO, and when that is auto too, per
+     *  group the first matching row of the measured table MFSDP_ALGO_TABLE, else direct up to
+     *  8 ranks and chain above. */
     mfsdp_algo_t gather_algo;
     mfsdp_algo_t reduce_algo;    /**< reduce-to-owner algorithm; AUTO: MFSDP_REDUCE_ALGO */
     size_t chain_chunk;          /**< chain pipeline chunk in bytes; 0: MFSDP_CHAIN_CHUNK */
@@ -121,7 +122,8 @@ typedef struct mfsdp_ctx_stats {
     uint64_t reduces;                     /**< mfsdp_ctx_reduce() calls completed */
     double step_seconds;                  /**< wall time spent in owner optimizer steps */
     double last_grad_norm;                /**< global norm of the last clipped step, or -1 */
-    mfsdp_algo_t gather_algo;             /**< resolved algorithms */
+    mfsdp_algo_t gather_algo;             /**< resolved algorithms: every group's, or AUTO
+                                               when groups differ (mfsdp_ctx_group_algos) */
     mfsdp_algo_t reduce_algo;
     mfsdp_step_mode_t step_mode; /**< resolved step mode */
     int accum_steps;             /**< resolved micro-steps per step */
@@ -306,6 +308,17 @@ MFSDP_API mfsdp_status_t mfsdp_ctx_set_stream(mfsdp_ctx_h ctx, void *stream);
  * @param [out] stats_p  written on success
  */
 MFSDP_API mfsdp_status_t mfsdp_ctx_get_stats(mfsdp_ctx_h ctx, mfsdp_ctx_stats_t *stats_p);
+
+/**
+ * @brief The algorithms one param group runs (with `auto` and an algorithm table,
+ *        MFSDP_ALGO_TABLE, they can differ by group). Not collective.
+ * @param [in]  ctx       context
+ * @param [in]  group     group index (manifest order)
+ * @param [out] gather_p  its owner-broadcast algorithm (may be NULL)
+ * @param [out] reduce_p  its reduce-to-owner algorithm (may be NULL)
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_group_algos(mfsdp_ctx_h ctx, size_t group,
+                                               mfsdp_algo_t *gather_p, mfsdp_algo_t *reduce_p);
 
 /**
  * @brief The plan the context runs (owned by the context or borrowed from the options).
