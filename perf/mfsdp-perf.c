@@ -1680,9 +1680,11 @@ static int opt_run(const perf_opts_t *o, void *state)
     if (load_rc != 0) {
         return load_rc;
     }
+    /* The placement a context gets by default (tail policy auto): the AdamW tensors it keeps
+     * in FSDP's slices do not weigh on the owners' balance of Newton-Schulz work. */
     mfsdp_plan_opts_t po;
     memset(&po, 0, sizeof(po));
-    po.tail = MFSDP_TAIL_OWNER;
+    po.tail = MFSDP_TAIL_AUTO;
     mfsdp_plan_t *plan = NULL;
     mfsdp_status_t pst = mfsdp_plan_create(m, g_world, &po, &plan);
     if (pst != MFSDP_OK) {
