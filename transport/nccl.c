@@ -511,6 +511,77 @@ static mfsdp_status_t check_list(const mfsdp_xfer_t *x, int *maxw_p)
     return MFSDP_OK;
 }
 
+/* What one op list needs on every run, built (and the list checked) on its first run and
+ * kept in the op list (mfsdp_sched_ops_t.tp_state) until it is freed: no allocation per call. */
+typedef struct nccl_cache {
+    size_t nw;         /* waves */
+    size_t *first;     /* ops of wave w: order[first[w], first[w+1]) */
+    long *order;       /* op indices by wave, list order kept within a wave */
+    const void **srcv; /* world entries: the sources of a direct reduce's ordered sum */
+} nccl_cache_t;
+
+static void ncache_free(void *state)
+{
+    nccl_cache_t *c = state;
+    if (c != NULL) {
+        free(c->first);
+        free(c->order);
+        free((void *)c->srcv);
+        free(c);
+    }
+}
+
+static mfsdp_status_t ncache_get(const mfsdp_xfer_t *x, int world, nccl_cache_t **c_p)
+{
+    mfsdp_sched_ops_t *l = x->ops;
+    if (l->tp_state != NULL && l->tp_owner == &nccl_ops) {
+        *c_p = l->tp_state;
+        return MFSDP_OK;
+    }
+    int maxw;
+    MFSDP_CHECK(check_list(x, &maxw));
+    if (l->tp_state != NULL) { /* built by another transport kind: not ours to reuse */
+        l->tp_state_free(l->tp_state);
+        l->tp_state = NULL;
+    }
+    size_t n = l->nops;
+    nccl_cache_t *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    c->nw = (size_t)maxw + 1;
+    c->first = calloc(c->nw + 1, sizeof(*c->first));
+    c->order = malloc((n + 1) * sizeof(*c->order));
+    c->srcv = malloc((size_t)world * sizeof(*c->srcv));
+    size_t *fill = calloc(c->nw + 1, sizeof(*fill));
+    if (c->first == NULL || c->order == NULL || c->srcv == NULL || fill == NULL) {
+        free(fill);
+        ncache_free(c);
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    /* Op indices by wave (counting sort). */
+    for (size_t i = 0; i < n; i++) {
+        if (l->ops[i].dep != MFSDP_SCHED_DEP_ALL) {
+            c->first[l->ops[i].wave + 1]++;
+        }
+    }
+    for (size_t w = 0; w < c->nw; w++) {
+        c->first[w + 1] += c->first[w];
+    }
+    memcpy(fill, c->first, (c->nw + 1) * sizeof(*fill));
+    for (size_t i = 0; i < n; i++) {
+        if (l->ops[i].dep != MFSDP_SCHED_DEP_ALL) {
+            c->order[fill[l->ops[i].wave]++] = (long)i;
+        }
+    }
+    free(fill);
+    l->tp_state = c;
+    l->tp_owner = &nccl_ops;
+    l->tp_state_free = ncache_free;
+    *c_p = c;
+    return MFSDP_OK;
+}
+
 static mfsdp_status_t nccl_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
 {
     nccl_transport_t *t = (nccl_transport_t *)tb;
@@ -522,40 +593,11 @@ static mfsdp_status_t nccl_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
     if (n == 0) {
         return MFSDP_OK;
     }
-    int maxw;
-    MFSDP_CHECK(check_list(x, &maxw));
-    /* Op indices by wave (counting sort, list order kept within a wave). */
-    size_t nw = (size_t)maxw + 1;
-    size_t *first = calloc(nw + 1, sizeof(*first));
-    long *order = malloc(n * sizeof(*order));
-    mfsdp_status_t st = MFSDP_OK;
-    if (first == NULL || order == NULL) {
-        st = MFSDP_ERR_NO_MEMORY;
-        goto out;
-    }
-    for (size_t i = 0; i < n; i++) {
-        if (x->ops->ops[i].dep != MFSDP_SCHED_DEP_ALL) {
-            first[x->ops->ops[i].wave + 1]++;
-        }
-    }
-    for (size_t w = 0; w < nw; w++) {
-        first[w + 1] += first[w];
-    }
-    {
-        size_t *fill = calloc(nw + 1, sizeof(*fill));
-        if (fill == NULL) {
-            st = MFSDP_ERR_NO_MEMORY;
-            goto out;
-        }
-        memcpy(fill, first, (nw + 1) * sizeof(*fill));
-        for (size_t i = 0; i < n; i++) {
-            if (x->ops->ops[i].dep != MFSDP_SCHED_DEP_ALL) {
-                order[fill[x->ops->ops[i].wave]++] = (long)i;
-            }
-        }
-        free(fill);
-    }
-    for (size_t w = 0; w < nw && st == MFSDP_OK; w++) {
+    nccl_cache_t *c;
+    MFSDP_CHECK(ncache_get(x, t->base.world, &c));
+    const size_t *first = c->first;
+    const long *order = c->order;
+    for (size_t w = 0; w < c->nw; w++) {
         int comm = 0;
         /* Partial sums sent in this wave get the own contribution added first (their inputs
          * arrived in earlier waves). */
@@ -563,37 +605,32 @@ static mfsdp_status_t nccl_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
             const mfsdp_sched_op_t *op = &x->ops->ops[order[k]];
             comm |= !is_local(op);
             if (!is_local(op) && op->combine) {
-                MFSDP_CHECK_GOTO(mfsdp_xfer_prepare(x, op), st, out);
+                MFSDP_CHECK(mfsdp_xfer_prepare(x, op));
             }
         }
         if (comm) {
-            MFSDP_CHECK_GOTO(group_start(t), st, out);
+            MFSDP_CHECK(group_start(t));
             mfsdp_status_t sp = MFSDP_OK;
             for (size_t k = first[w]; k < first[w + 1] && sp == MFSDP_OK; k++) {
                 if (!is_local(&x->ops->ops[order[k]])) {
                     sp = post(t, x, order[k]);
                 }
             }
-            MFSDP_CHECK_GOTO(group_end(t, sp), st, out);
+            MFSDP_CHECK(group_end(t, sp));
         }
         for (size_t k = first[w]; k < first[w + 1]; k++) {
             const mfsdp_sched_op_t *op = &x->ops->ops[order[k]];
             if (is_local(op)) {
-                MFSDP_CHECK_GOTO(mfsdp_xfer_local(x, op, t->base.rank, t->base.world, NULL), st,
-                                 out);
+                MFSDP_CHECK(mfsdp_xfer_local(x, op, t->base.rank, t->base.world, c->srcv));
             }
         }
     }
     for (size_t i = 0; i < n; i++) {
         if (x->ops->ops[i].dep == MFSDP_SCHED_DEP_ALL) {
-            MFSDP_CHECK_GOTO(
-                mfsdp_xfer_local(x, &x->ops->ops[i], t->base.rank, t->base.world, NULL), st, out);
+            MFSDP_CHECK(mfsdp_xfer_local(x, &x->ops->ops[i], t->base.rank, t->base.world, c->srcv));
         }
     }
-out:
-    free(first);
-    free(order);
-    return st;
+    return MFSDP_OK;
 }
 
 /* ---------------------------------------------------------------------------------------
