@@ -121,20 +121,25 @@ static mfsdp_status_t resolve_algos(struct mfsdp_ctx *ctx, const mfsdp_ctx_opts_
 }
 
 /* The reduce's staging plan of group g, the same on every rank: the sharded-tail reduce's
- * fp32 blocks ((world + 1) x tail_pass floats) and, for direct, the chunk (in the schedule's
- * unit, 4 bytes per element) such that the most owned tensors with a gradient any rank has in
- * the group, each with a ring of MFSDP_SCHED_WINDOW slots of one chunk per rank, fit the
- * staging budget with them. The tail goes in one pass when it fits beside one-element chunks,
- * else in passes that take half of the room left beside them. A budget without room for both
- * is refused. */
+ * fp32 blocks ((world + 1) x tail_pass floats) and the pipeline chunk (in the schedule's
+ * unit, 4 bytes per element) such that every ring a rank may hold fits the staging budget
+ * with them:
+ *  - direct: the most owned tensors with a gradient any rank has in the group, each with a
+ *    ring of MFSDP_SCHED_WINDOW slots of one chunk per rank (in the reduce dtype);
+ *  - chain: one fp32 ring of MFSDP_SCHED_WINDOW chunks per tensor with a gradient, and one
+ *    more per owned one, the chunk at most MFSDP_CHAIN_CHUNK;
+ *  - native: not chunked (each tensor's fp32 partial sum; the context warns).
+ * The tail goes in one pass when it fits beside one-element chunks, else in passes that take
+ * half of the room left beside them. A budget without room for both is refused. */
 static mfsdp_status_t reduce_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk_p,
                                   size_t *tail_pass_p)
 {
     const mfsdp_group_sched_t *gs = ctx->groups[g].gs;
+    const mfsdp_algo_t algo = ctx->groups[g].reduce_algo;
     const char *gname = ctx->manifest->groups[g].name;
     size_t n = (size_t)ctx->world;
-    size_t kmax = 0;
-    if (ctx->groups[g].reduce_algo == MFSDP_ALGO_DIRECT && n > 1) {
+    size_t kmax = 0, ngrad = 0; /* most owned tensors with a gradient on a rank; all of them */
+    if (algo != MFSDP_ALGO_NATIVE && n > 1) {
         size_t *owned = calloc(n, sizeof(*owned));
         if (owned == NULL) {
             return MFSDP_ERR_NO_MEMORY;
@@ -143,13 +148,22 @@ static mfsdp_status_t reduce_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk
             if (gs->segs[i].rs_entry >= 0) {
                 size_t k = ++owned[gs->segs[i].owner];
                 kmax = k > kmax ? k : kmax;
+                ngrad++;
             }
         }
         free(owned);
     }
     size_t elt = mfsdp_dtype_size(gs->layout->rs.dtype);
-    size_t per = kmax * MFSDP_SCHED_WINDOW * n * elt; /* ring bytes per chunk element */
-    size_t slack = (kmax + 3) * MFSDP_ARENA_ALIGN;
+    size_t per = 0, rings = 0, cap = MFSDP_SCHED_MAX_MSG / sizeof(float);
+    if (algo == MFSDP_ALGO_DIRECT) {
+        rings = kmax;
+        per = kmax * MFSDP_SCHED_WINDOW * n * elt; /* ring bytes per chunk element */
+    } else if (algo == MFSDP_ALGO_CHAIN) {
+        rings = ngrad + kmax;
+        per = rings * MFSDP_SCHED_WINDOW * sizeof(float);
+        cap = ctx->chunk / sizeof(float);
+    }
+    size_t slack = (rings + 3) * MFSDP_ARENA_ALIGN;
     size_t tail_per = (n + 1) * sizeof(float); /* tail bytes per element of a pass */
     size_t T = gs->tail_rs_elems;
     size_t room = ctx->budget > slack + per ? ctx->budget - slack - per : 0;
@@ -161,24 +175,48 @@ static mfsdp_status_t reduce_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk
     }
     size_t fixed = pass * tail_per + slack;
     size_t ce = per == 0 ? 1 : ctx->budget > fixed ? (ctx->budget - fixed) / per : 0;
-    if (ce > MFSDP_SCHED_MAX_MSG / sizeof(float)) {
-        ce = MFSDP_SCHED_MAX_MSG / sizeof(float);
-    }
+    ce = ce < cap ? ce : cap;
     if ((T != 0 && pass == 0) || ce == 0) {
-        MFSDP_WARN("MFSDP_STAGING_BYTES=%zu is too small for the reduce of group %s: one "
-                   "sharded-tail element per pass needs %zu bytes, a one-element direct chunk "
-                   "%zu more (%zu owned tensors x %d slots x %zu ranks x %zu bytes), alignment "
-                   "%zu",
-                   ctx->budget, gname, T != 0 ? tail_per : 0, per, kmax, MFSDP_SCHED_WINDOW, n, elt,
-                   slack);
+        MFSDP_WARN("MFSDP_STAGING_BYTES=%zu is too small for the %s reduce of group %s: one "
+                   "sharded-tail element per pass needs %zu bytes, a one-element chunk %zu more "
+                   "(%zu rings of %d slots, %zu bytes per element), alignment %zu",
+                   ctx->budget, mfsdp_algo_name(algo), gname, T != 0 ? tail_per : 0, per, rings,
+                   MFSDP_SCHED_WINDOW, rings != 0 ? per / rings / MFSDP_SCHED_WINDOW : 0, slack);
         return MFSDP_ERR_CONFIG;
     }
     *chunk_p = per == 0 ? ctx->chunk : ce * sizeof(float);
     *tail_pass_p = pass;
     MFSDP_INFO(RUNTIME,
-               "group %s: staging budget %zu: direct chunks of %zu elements (%zu owned tensors "
-               "at most per rank), sharded tail of %zu elements per rank in passes of %zu",
-               gname, ctx->budget, per == 0 ? (size_t)0 : ce, kmax, T, pass);
+               "group %s: staging budget %zu: %s reduce in chunks of %zu elements (%zu rings), "
+               "sharded tail of %zu elements per rank in passes of %zu",
+               gname, ctx->budget, mfsdp_algo_name(algo), per == 0 ? (size_t)0 : ce, rings, T,
+               pass);
+    return MFSDP_OK;
+}
+
+/* The chain all-gather's chunk (bytes) for group g, the same on every rank: a ring of
+ * MFSDP_SCHED_WINDOW chunks per tensor a rank receives (at most every owned tensor of the
+ * group) and the packed own sharded-tail slices fit the budget; at most MFSDP_CHAIN_CHUNK.
+ * Direct and native gathers receive in place and stage only those slices. */
+static mfsdp_status_t gather_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk_p)
+{
+    const mfsdp_group_sched_t *gs = ctx->groups[g].gs;
+    *chunk_p = ctx->chunk;
+    if (ctx->groups[g].gather_algo != MFSDP_ALGO_CHAIN || ctx->world == 1 || gs->nsegs == 0) {
+        return MFSDP_OK;
+    }
+    size_t fixed = gs->tail_ag_bytes + (gs->nsegs + 2) * MFSDP_ARENA_ALIGN;
+    size_t per = gs->nsegs * MFSDP_SCHED_WINDOW; /* ring bytes per chunk byte */
+    size_t c = ctx->budget > fixed ? (ctx->budget - fixed) / per : 0;
+    if (c < sizeof(float)) {
+        MFSDP_WARN("MFSDP_STAGING_BYTES=%zu is too small for the chain all-gather of group %s: "
+                   "%zu tensors x %d slots of a %zu-byte chunk and %zu bytes of sharded-tail "
+                   "slices need %zu",
+                   ctx->budget, ctx->manifest->groups[g].name, gs->nsegs, MFSDP_SCHED_WINDOW,
+                   sizeof(float), gs->tail_ag_bytes, fixed + per * sizeof(float));
+        return MFSDP_ERR_CONFIG;
+    }
+    *chunk_p = c < ctx->chunk ? c : ctx->chunk;
     return MFSDP_OK;
 }
 
@@ -186,9 +224,10 @@ static mfsdp_status_t build_ops(struct mfsdp_ctx *ctx, size_t g)
 {
     mfsdp_group_state_t *gst = &ctx->groups[g];
     MFSDP_CHECK(reduce_plan(ctx, g, &gst->rs_chunk, &gst->tail_pass));
+    MFSDP_CHECK(gather_plan(ctx, g, &gst->ag_chunk));
     MFSDP_CHECK(mfsdp_sched_build_tail(&gst->tail_ops));
     MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_GATHER, gst->gather_algo,
-                                  ctx->chunk, &gst->ag_ops));
+                                  gst->ag_chunk, &gst->ag_ops));
     MFSDP_CHECK(mfsdp_sched_build(gst->gs, ctx->rank, MFSDP_SCHED_DIR_REDUCE, gst->reduce_algo,
                                   gst->rs_chunk, &gst->rs_ops));
     return MFSDP_OK;
@@ -322,12 +361,13 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
         MFSDP_CHECK(mfsdp_ctx_bind_reduce(ctx, g, ctx->groups[g].gs, NULL, &need_rs, &tb));
         stage = need_ag > stage ? need_ag : stage;
         stage = need_rs > stage ? need_rs : stage;
-        /* The direct reduce is sized to the budget; what else a call stages is not chunked
-         * (chain: WINDOW chunks per tensor; native: each tensor in fp32; gathers of tensors
-         * over 1 GiB whole): said once, not refused. */
+        /* Direct and chain are sized to the budget; the native reduce is not chunked (each
+         * tensor's partial sum in fp32), nor the direct/native gather's packed own tail
+         * slices: said once, not refused. */
         if ((need_ag > ctx->budget || need_rs > ctx->budget) && ctx->rank == 0) {
             MFSDP_WARN("group %s stages %zu bytes per rank (all-gather %zu, reduce %zu), above "
-                       "MFSDP_STAGING_BYTES=%zu: only the direct reduce is held to it",
+                       "MFSDP_STAGING_BYTES=%zu: the native reduce (fp32 partial sums of whole "
+                       "tensors) and the sharded tail's slices are not held to it",
                        manifest->groups[g].name, need_ag > need_rs ? need_ag : need_rs, need_ag,
                        need_rs, ctx->budget);
         }

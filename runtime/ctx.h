@@ -40,8 +40,9 @@ typedef struct mfsdp_group_state {
     int initialized;                    /* weights taken from the first all-gather */
     int micro;                          /* micro-steps accumulated since the last step */
     int64_t nsteps;                     /* optimizer steps run on this group (the schedule's t) */
-    size_t rs_chunk;  /* the reduce schedule's chunk argument (direct: 4 x elements per chunk,
-                         sized to the staging budget; chain: ctx->chunk) */
+    size_t rs_chunk;  /* the reduce schedule's chunk argument (4 x elements per chunk; direct
+                         and chain: sized to the staging budget) */
+    size_t ag_chunk;  /* the gather schedule's chunk (bytes; chain: sized to the budget) */
     size_t tail_pass; /* sharded-tail reduce: elements per rank block per pass */
     mfsdp_algo_t gather_algo; /* resolved for this group (an algorithm table picks per group) */
     mfsdp_algo_t reduce_algo;

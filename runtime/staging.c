@@ -54,7 +54,7 @@ mfsdp_status_t mfsdp_ctx_bind_gather(struct mfsdp_ctx *ctx, size_t g, char *base
             b->src = mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_COMM);
         } else if (gst->gather_algo == MFSDP_ALGO_CHAIN) {
             /* A ring of chunks: each is copied out and forwarded from there. */
-            b->stage = carve(&c, mfsdp_sched_ring(s->ag_bytes, ctx->chunk));
+            b->stage = carve(&c, mfsdp_sched_ring(s->ag_bytes, gst->ag_chunk));
         } /* direct and native: every run lands in place in FSDP's output (no staging) */
     }
     if (gs->tail_ag_bytes != 0) {
@@ -102,8 +102,8 @@ mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, const mfsd
         case MFSDP_ALGO_CHAIN: {
             /* A chunk is received, has the own contribution added in place and is sent
              * on from the same memory: one fp32 ring serves as PIN and POUT. */
-            size_t ring =
-                mul_sat(&c, mfsdp_sched_ring(s->numel, ctx->chunk / sizeof(float)), sizeof(float));
+            size_t ring = mul_sat(&c, mfsdp_sched_ring(s->numel, gst->rs_chunk / sizeof(float)),
+                                  sizeof(float));
             b->pin = carve(&c, ring);
             b->pout = b->pin;
             if (own) {

@@ -156,6 +156,7 @@ typedef struct run_out {
     size_t staging, budget;
     float *grads; /* the owned tensors' gradients, in manifest order */
     size_t ngrads;
+    uint64_t gathered; /* FNV-1a of the last all-gather outputs of both groups */
 } run_out_t;
 
 static void put_elem(void *buf, mfsdp_dtype_t dt, size_t i, float v)
@@ -227,6 +228,16 @@ static int run(const mfsdp_manifest_t *m, mfsdp_algo_t ga, mfsdp_algo_t ra, size
         out->allocs[it] = g_allocs;
         out->p2p[it] = g_p2p;
         out->rsb[it] = g_rsb;
+    }
+    out->gathered = 1469598103934665603ull;
+    for (size_t g = 0; g < 2; g++) {
+        mfsdp_group_layout_t *l = NULL;
+        CHECK_OK(mfsdp_group_layout_create(&m->groups[g], g_world, &l));
+        const unsigned char *b = ag_recv[g];
+        for (size_t i = 0; i < l->ag.bytes * (size_t)g_world; i++) {
+            out->gathered = (out->gathered ^ b[i]) * 1099511628211ull;
+        }
+        mfsdp_group_layout_destroy(l);
     }
     mfsdp_ctx_stats_t stats;
     CHECK_OK(mfsdp_ctx_get_stats(ctx, &stats));
@@ -356,6 +367,30 @@ int main(int argc, char **argv)
         }
         free(r.grads);
         free(r.slices);
+    }
+    /* The chain pipelines under a budget below what their default chunk stages: the chunks
+     * shrink to fit it, the results stay bitwise the same (the sums keep their rank order). */
+    run_out_t dc, rc;
+    const size_t tight = 1536;
+    if (g_world > 1 && run(m, MFSDP_ALGO_CHAIN, MFSDP_ALGO_CHAIN, 0, &dc) == 0 &&
+        run(m, MFSDP_ALGO_CHAIN, MFSDP_ALGO_CHAIN, tight, &rc) == 0) {
+        check_steady(&rc, "chain under a 1.5 KiB budget");
+        CHECK(dc.staging > tight && rc.staging <= tight,
+              "chain: %zu staging bytes by default, %zu under a budget of %zu", dc.staging,
+              rc.staging, tight);
+        CHECK(rc.gathered == dc.gathered, "chain under the budget: all-gather outputs differ");
+        CHECK(rc.ngrads == dc.ngrads &&
+                  (rc.ngrads == 0 || memcmp(rc.grads, dc.grads, rc.ngrads * sizeof(float)) == 0),
+              "chain under the budget: owners' gradients differ (%zu vs %zu elements)", rc.ngrads,
+              dc.ngrads);
+        if (g_rank == 0) {
+            printf("test_steady: chain, budget %zu: %zu staging bytes; default budget: %zu\n", tight,
+                   rc.staging, dc.staging);
+        }
+        free(dc.grads);
+        free(dc.slices);
+        free(rc.grads);
+        free(rc.slices);
     }
     free(def.grads);
     free(def.slices);
