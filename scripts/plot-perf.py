@@ -9,7 +9,7 @@ Runs build/perf/mfsdp-perf allgather and reducescatter --json under mpirun at ea
 (default 2; flags after `--` replace the default `-b 1M -e 64M -f 4 -n 3 -w 1 --manifest
 examples/models/llama3-8b.json`; every algorithm unless --algo is given), keeps each run's
 rows as OUTDIR/perf-SUBCOMMAND-npN.json, and writes with gnuplot (pngcairo):
-  OUTDIR/busbw-npN.png   bus bandwidth against buffer size, out-of-place, one panel per
+  OUTDIR/busbw-npN.png   bus bandwidth against buffer size, one panel per
                          collective: native MPI against each mfsdp algorithm;
 then, unless --no-sim, runs scripts/plot-sim.py OUTDIR (the simulator's sim-speedup.png and
 sim-memory.png). --from-json plots saved rows (mfsdp-perf --json output, any number of
@@ -27,8 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_FLAGS = ["-b", "1M", "-e", "64M", "-f", "4", "-n", "3", "-w", "1", "--manifest",
                  os.path.join(ROOT, "examples", "models", "llama3-8b.json")]
 MPIRUN_FLAGS = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
-TITLES = {"allgather": "all-gather: MPI_Allgather vs owner-broadcast",
+TITLES = {"allgather": "all-gather, out of place: MPI_Allgather vs owner-broadcast",
+          "allgather-ip": "all-gather, in place (as FSDP2 calls it)",
           "reducescatter": "reduce-scatter: MPI_Reduce_scatter_block vs reduce-to-owner"}
+SUBCOMMANDS = ("allgather", "reducescatter")
 COLORS = {"native": "#000000", "mfsdp-direct": "#1b9e77", "mfsdp-chain": "#d95f02",
           "mfsdp-native": "#7570b3"}
 
@@ -82,7 +84,7 @@ def run_harness(out, nps, flags):
     env.setdefault("MFSDP_MLOCK", "0")
     files = []
     for n in nps:
-        for sub in ("allgather", "reducescatter"):
+        for sub in SUBCOMMANDS:
             cmd = [mpirun, "-np", str(n)] + MPIRUN_FLAGS + [exe, sub, "--json"] + flags
             print("+", " ".join(cmd), flush=True)
             p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -103,7 +105,7 @@ def load_rows(files):
                 line = line.strip()
                 if line.startswith("{"):
                     r = json.loads(line)
-                    if r.get("subcommand") in TITLES:
+                    if r.get("subcommand") in SUBCOMMANDS:
                         rows.append(r)
     if not rows:
         die("no allgather/reducescatter rows in " + ", ".join(files))
@@ -131,6 +133,9 @@ def plot_busbw(rows, out):
     data = defaultdict(lambda: defaultdict(list))
     for r in rows:
         data[(r["ranks"], r["subcommand"], r["system"])][r["size"]].append(r["busbw"])
+        if "ip_busbw" in r:  # the all-gather's in-place column: a panel of its own
+            data[(r["ranks"], r["subcommand"] + "-ip", r["system"])][r["size"]].append(
+                r["ip_busbw"])
     written = []
     for n in sorted({k[0] for k in data}):
         subs = [s for s in TITLES if any(k[0] == n and k[1] == s for k in data)]
@@ -140,7 +145,7 @@ def plot_busbw(rows, out):
              "font 'DejaVu Sans,11'\n"
              f"set output '{png}'\n"
              f"set multiplot layout 1,{len(subs)} title \"mfsdp-perf: bus bandwidth, {n} "
-             f"ranks, {types}, out-of-place (median over runs; busbw = algbw (n-1)/n)\" "
+             f"ranks, {types} (median over runs; busbw = algbw (n-1)/n)\" "
              "font ',13'\n"
              "set logscale x 2\nset grid xtics ytics mxtics lc rgb '#cccccc'\n"
              "set xlabel 'buffer size (whole gathered buffer, bytes)'\n"

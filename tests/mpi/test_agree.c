@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "mfsdp/runtime_mpi.h"
+#include "tests/lib/mpi_check.h"
 
 static const char *manifest_text(double lr)
 {
@@ -30,11 +31,10 @@ static const char *manifest_text(double lr)
 int main(int argc, char **argv)
 {
     MPI_Init(&argc, &argv);
-    int rank, world;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &g_world);
     const char *mode = argc > 1 ? argv[1] : "same";
-    int last = rank == world - 1;
+    int last = g_rank == g_world - 1;
     setenv("MFSDP_MLOCK", "0", 1);
     if (strcmp(mode, "tail") == 0) {
         setenv("MFSDP_TAIL", last ? "owner" : "shard", 1);
@@ -47,28 +47,13 @@ int main(int argc, char **argv)
         fprintf(stderr, "parse: %s\n", err);
         MPI_Abort(MPI_COMM_WORLD, 2);
     }
-    /* The warning goes to stderr: capture it in a file to check its text. */
-    char path[64];
-    snprintf(path, sizeof(path), "test_agree.%d.%d.log", (int)getpid(), rank);
-    fflush(stderr);
-    int saved = dup(2);
-    FILE *f = freopen(path, "w", stderr);
-    (void)f;
     mfsdp_ctx_h ctx = NULL;
     /* Options given in code take part too: one rank with another staging budget would cut
      * its reduce into other chunks than the others expect. */
     mfsdp_ctx_opts_t opts = {.staging_bytes = strcmp(mode, "options") == 0 && last ? 4096 : 0};
+    capture_begin(); /* the warning goes to stderr: its text is checked */
     mfsdp_status_t st = mfsdp_ctx_create_mpi(m, &opts, MPI_COMM_WORLD, &ctx);
-    fflush(stderr);
-    dup2(saved, 2);
-    char log[4096] = "";
-    FILE *in = fopen(path, "r");
-    size_t n = in != NULL ? fread(log, 1, sizeof(log) - 1, in) : 0;
-    log[n] = '\0';
-    if (in != NULL) {
-        fclose(in);
-    }
-    unlink(path);
+    const char *log = capture_end();
     int fail = 0;
     if (strcmp(mode, "same") == 0) {
         fail = st != MFSDP_OK;
@@ -83,15 +68,16 @@ int main(int argc, char **argv)
                 (strstr(log, "'shard' on rank") == NULL || strstr(log, "'owner' on rank") == NULL));
     }
     if (fail) {
-        fprintf(stderr, "[rank %d] mode %s: status %s, log:\n%s\n", rank, mode,
+        fprintf(stderr, "[rank %d] mode %s: status %s, log:\n%s\n", g_rank, mode,
                 mfsdp_status_string(st), log);
-    } else if (rank == 0) {
+    } else if (g_rank == 0) {
         printf("ok: mode %s: every rank got %s\n%s", mode, mfsdp_status_string(st), log);
     }
     mfsdp_ctx_destroy(&ctx);
     mfsdp_manifest_free(m);
     int total = 0;
-    MPI_Allreduce(&fail, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    g_failures += fail;
+    MPI_Allreduce(&g_failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     MPI_Finalize();
     return total == 0 ? 0 : 1;
 }

@@ -21,18 +21,8 @@
 #include <unistd.h>
 
 #include "mfsdp/runtime_mpi.h"
+#include "tests/lib/mpi_check.h"
 
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "[rank %d] %s:%d: ", g_rank, __FILE__, __LINE__);                      \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fprintf(stderr, "\n");                                                                 \
-            g_fail = 1;                                                                            \
-        }                                                                                          \
-    } while (0)
-
-static int g_rank, g_world, g_fail;
 static int g_checked; /* owners' gradients checked on this rank */
 
 static const char *manifest_text =
@@ -46,27 +36,13 @@ static const char *table_text = "coll,nranks,min_bytes,max_bytes,algo\n"
                                 "allgather,-1,0,4095,chain\n"
                                 "reducescatter,-1,4096,-1,native\n";
 
-/* Create the context with stderr captured into log (len bytes). */
-static mfsdp_status_t create(const mfsdp_manifest_t *m, mfsdp_ctx_h *ctx, char *log, size_t len)
+/* Create the context with stderr captured: *log_p is what the library said. */
+static mfsdp_status_t create(const mfsdp_manifest_t *m, mfsdp_ctx_h *ctx, const char **log_p)
 {
-    char path[64];
-    snprintf(path, sizeof(path), "test_algo_table.%d.%d.log", (int)getpid(), g_rank);
-    fflush(stderr);
-    int saved = dup(2);
-    FILE *f = freopen(path, "w", stderr);
-    (void)f;
     mfsdp_ctx_opts_t opts = {.has_step_mode = 1, .step_mode = MFSDP_STEP_MANUAL};
+    capture_begin();
     mfsdp_status_t st = mfsdp_ctx_create_mpi(m, &opts, MPI_COMM_WORLD, ctx);
-    fflush(stderr);
-    dup2(saved, 2);
-    close(saved);
-    FILE *in = fopen(path, "r");
-    size_t n = in != NULL ? fread(log, 1, len - 1, in) : 0;
-    log[n] = '\0';
-    if (in != NULL) {
-        fclose(in);
-    }
-    unlink(path);
+    *log_p = capture_end();
     return st;
 }
 
@@ -187,8 +163,8 @@ int main(int argc, char **argv)
         MPI_Abort(MPI_COMM_WORLD, 2);
     }
     mfsdp_ctx_h ctx = NULL;
-    char log[4096];
-    mfsdp_status_t st = create(m, &ctx, log, sizeof(log));
+    const char *log = "";
+    mfsdp_status_t st = create(m, &ctx, &log);
     if (strcmp(mode, "bad") == 0) {
         CHECK(st == MFSDP_ERR_CONFIG, "bad table: %s", mfsdp_status_string(st));
         CHECK(strstr(log, "line 2: algorithm 'ring'") != NULL, "message: %s", log);
@@ -227,7 +203,7 @@ int main(int argc, char **argv)
     mfsdp_manifest_free(m);
     unlink(path);
     int total = 0;
-    MPI_Allreduce(&g_fail, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(&g_failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     if (g_rank == 0 && total == 0) {
         printf("ok: mode %s at %d ranks\n", mode, g_world);
     }
