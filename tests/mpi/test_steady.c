@@ -384,8 +384,8 @@ int main(int argc, char **argv)
               "chain under the budget: owners' gradients differ (%zu vs %zu elements)", rc.ngrads,
               dc.ngrads);
         if (g_rank == 0) {
-            printf("test_steady: chain, budget %zu: %zu staging bytes; default budget: %zu\n", tight,
-                   rc.staging, dc.staging);
+            printf("test_steady: chain, budget %zu: %zu staging bytes; default budget: %zu\n",
+                   tight, rc.staging, dc.staging);
         }
         free(dc.grads);
         free(dc.slices);
