@@ -71,9 +71,10 @@ static mfsdp_algo_t resolve_algo(mfsdp_algo_t opt, int cfg, const mfsdp_algo_tab
     if (mfsdp_algo_table_pick(table, reduce, world, bytes, &a)) {
         return a;
     }
-    /* Measured at 2 and 4 ranks (docs/PERFORMANCE.md): direct is the fastest there for both
-     * collectives at every size. Above a node-sized world the owner's n-1 sends of a whole
-     * tensor serialize on one link, which the pipelined chain spreads (not measured here). */
+    /* Measured at 2 and 4 ranks (docs/PERFORMANCE.md): direct is the fastest reduce at every
+     * size, 4-8x native; for the all-gather direct and native are within each other's run-to-run
+     * spread, chain behind. Above a node-sized world the owner's n-1 sends of a whole tensor
+     * serialize on one link, which the pipelined chain spreads (a model argument: not measured). */
     return world <= 8 ? MFSDP_ALGO_DIRECT : MFSDP_ALGO_CHAIN;
 }
 
