@@ -45,9 +45,14 @@ static long g_types, g_allocs, g_p2p, g_rsb;
 void *__real_malloc(size_t n);
 void *__real_calloc(size_t k, size_t n);
 void *__real_realloc(void *p, size_t n);
-void *__wrap_malloc(size_t n);
-void *__wrap_calloc(size_t k, size_t n);
-void *__wrap_realloc(void *p, size_t n);
+/* Default visibility (the build hides symbols): a shared library on the link line that
+ * references realloc makes ld resolve the reference against the wrapper, which must not be
+ * hidden for that. At run time such a library still calls libc's: only this executable's
+ * objects are counted. */
+#define WRAPPER __attribute__((visibility("default")))
+WRAPPER void *__wrap_malloc(size_t n);
+WRAPPER void *__wrap_calloc(size_t k, size_t n);
+WRAPPER void *__wrap_realloc(void *p, size_t n);
 
 void *__wrap_malloc(size_t n)
 {
