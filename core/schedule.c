@@ -447,15 +447,38 @@ mfsdp_status_t mfsdp_sched_build_tail(mfsdp_sched_ops_t *ops_p)
     return MFSDP_OK;
 }
 
+static void release_state(mfsdp_sched_ops_t *ops)
+{
+    if (ops->tp_state != NULL && ops->tp_state_free != NULL) {
+        ops->tp_state_free(ops->tp_state);
+    }
+    ops->tp_state = NULL;
+    ops->tp_owner = NULL;
+    ops->tp_state_free = NULL;
+}
+
+void *mfsdp_sched_ops_state(mfsdp_sched_ops_t *ops, const void *owner)
+{
+    if (ops->tp_state != NULL && ops->tp_owner == owner) {
+        return ops->tp_state;
+    }
+    release_state(ops);
+    return NULL;
+}
+
+void mfsdp_sched_ops_keep(mfsdp_sched_ops_t *ops, const void *owner, void *state,
+                          void (*free_fn)(void *state))
+{
+    release_state(ops);
+    ops->tp_state = state;
+    ops->tp_owner = owner;
+    ops->tp_state_free = free_fn;
+}
+
 void mfsdp_sched_ops_free(mfsdp_sched_ops_t *ops)
 {
     if (ops != NULL) {
-        if (ops->tp_state != NULL && ops->tp_state_free != NULL) {
-            ops->tp_state_free(ops->tp_state);
-        }
-        ops->tp_state = NULL;
-        ops->tp_owner = NULL;
-        ops->tp_state_free = NULL;
+        release_state(ops);
         free(ops->ops);
         ops->ops = NULL;
         ops->nops = 0;

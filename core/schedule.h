@@ -121,14 +121,22 @@ typedef struct mfsdp_group_sched {
 typedef struct mfsdp_sched_ops {
     size_t nops;
     mfsdp_sched_op_t *ops;
-    /* What a transport derives from this op list once and reuses on every call (the MPI
-     * transport: request and dependency arrays, committed datatypes), built on the first run
-     * and released by tp_state_free(tp_state) in mfsdp_sched_ops_free(): its lifetime is the
-     * op list's. NULL until then; tp_owner names the transport kind that built it. */
+    /* What a transport derives from this op list once and reuses on every call (request and
+     * dependency arrays, wave order), built on the first run and released by
+     * tp_state_free(tp_state) in mfsdp_sched_ops_free(): its lifetime is the op list's. NULL
+     * until then; tp_owner names the transport kind that built it. Accessed through
+     * mfsdp_sched_ops_state() and mfsdp_sched_ops_keep(). */
     void *tp_state;
     const void *tp_owner;
     void (*tp_state_free)(void *state);
 } mfsdp_sched_ops_t;
+
+/* The state transport kind owner keeps with ops (mfsdp_sched_ops_keep), or NULL; a state
+ * another kind built is released first (not ours to reuse). */
+void *mfsdp_sched_ops_state(mfsdp_sched_ops_t *ops, const void *owner);
+/* Keep state with ops for kind owner, released by free_fn with the op list. */
+void mfsdp_sched_ops_keep(mfsdp_sched_ops_t *ops, const void *owner, void *state,
+                          void (*free_fn)(void *state));
 
 /* Units of a chain's ring buffer for a tensor of total units: min(total, WINDOW chunks). */
 static inline size_t mfsdp_sched_ring(size_t total, size_t chunk_units)

@@ -83,13 +83,9 @@ static const mfsdp_transport_ops_t mpi_ops;
  * op-list order, so that they are posted in that order). */
 static mfsdp_status_t cache_get(mfsdp_sched_ops_t *l, int world, mpi_cache_t **c_p)
 {
-    if (l->tp_state != NULL && l->tp_owner == &mpi_ops) {
-        *c_p = l->tp_state;
+    *c_p = mfsdp_sched_ops_state(l, &mpi_ops);
+    if (*c_p != NULL) {
         return MFSDP_OK;
-    }
-    if (l->tp_state != NULL) { /* built by another transport kind: not ours to reuse */
-        l->tp_state_free(l->tp_state);
-        l->tp_state = NULL;
     }
     size_t n = l->nops;
     mfsdp_status_t st = MFSDP_OK;
@@ -145,9 +141,7 @@ static mfsdp_status_t cache_get(mfsdp_sched_ops_t *l, int world, mpi_cache_t **c
             c->clist[c->cfirst[d] + (size_t)c->pending[d]++] = (long)k;
         }
     }
-    l->tp_state = c;
-    l->tp_owner = &mpi_ops;
-    l->tp_state_free = cache_free;
+    mfsdp_sched_ops_keep(l, &mpi_ops, c, cache_free);
     *c_p = c;
     return MFSDP_OK;
 err:

@@ -534,16 +534,12 @@ static void ncache_free(void *state)
 static mfsdp_status_t ncache_get(const mfsdp_xfer_t *x, int world, nccl_cache_t **c_p)
 {
     mfsdp_sched_ops_t *l = x->ops;
-    if (l->tp_state != NULL && l->tp_owner == &nccl_ops) {
-        *c_p = l->tp_state;
+    *c_p = mfsdp_sched_ops_state(l, &nccl_ops);
+    if (*c_p != NULL) {
         return MFSDP_OK;
     }
     int maxw;
     MFSDP_CHECK(check_list(x, &maxw));
-    if (l->tp_state != NULL) { /* built by another transport kind: not ours to reuse */
-        l->tp_state_free(l->tp_state);
-        l->tp_state = NULL;
-    }
     size_t n = l->nops;
     nccl_cache_t *c = calloc(1, sizeof(*c));
     if (c == NULL) {
@@ -575,9 +571,7 @@ static mfsdp_status_t ncache_get(const mfsdp_xfer_t *x, int world, nccl_cache_t 
         }
     }
     free(fill);
-    l->tp_state = c;
-    l->tp_owner = &nccl_ops;
-    l->tp_state_free = ncache_free;
+    mfsdp_sched_ops_keep(l, &nccl_ops, c, ncache_free);
     *c_p = c;
     return MFSDP_OK;
 }
