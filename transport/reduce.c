@@ -155,21 +155,16 @@ mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *o
         size_t j = op->off / block;
         const char *own =
             (const char *)x->rs_in + j * rs->bytes + e->o_bytes + (op->off - j * block) * elt;
-        const void **src = srcv != NULL ? srcv : malloc((size_t)world * sizeof(*src));
-        if (src == NULL) {
-            return MFSDP_ERR_NO_MEMORY;
+        if (srcv == NULL) {
+            return MFSDP_ERR_INTERNAL;
         }
         for (int r = 0; r < world; r++) {
-            src[r] = r == rank ? own
-                               : (const char *)b->stage + (op->boff + (size_t)r * op->stride) * elt;
+            srcv[r] = r == rank
+                          ? own
+                          : (const char *)b->stage + (op->boff + (size_t)r * op->stride) * elt;
         }
-        mfsdp_status_t st =
-            x->exec->ops->reduce_ordered(x->exec, b->grad + op->off, (const void *const *)src,
-                                         world, x->dtype, op->len, x->op, x->scalar, 1);
-        if (src != srcv) {
-            free((void *)src);
-        }
-        return st;
+        return x->exec->ops->reduce_ordered(x->exec, b->grad + op->off, (const void *const *)srcv,
+                                            world, x->dtype, op->len, x->op, x->scalar, 1);
     }
     case MFSDP_APPLY_FINAL:
         return x->exec->ops->apply(x->exec, b->grad + op->off, b->final + op->boff, op->len, x->op,

@@ -124,8 +124,7 @@ void *mfsdp_xfer_buf(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, size_t *
  * 0) without an output or for pos outside the tensor. */
 char *mfsdp_xfer_ag_at(const mfsdp_xfer_t *x, uint32_t seg, size_t pos, size_t *run_p);
 /* Run the local (APPLY, COPYOUT) op of an op list. srcv: world entries of scratch for a
- * direct reduce's ordered sum (the transport's, kept with the op list), or NULL to allocate
- * them for this call. */
+ * direct reduce's ordered sum (the transport's, kept with the op list). */
 mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, int rank,
                                 int world, const void **srcv);
 /* Fill POUT for a SEND/REDUCE op with combine set. */
