@@ -38,6 +38,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include "core/algo_table.h"
 #include "core/log.h"
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/kernels.h"
@@ -514,11 +515,6 @@ static mfsdp_ctx_h make_ctx(const mfsdp_manifest_t *m, mfsdp_tail_policy_t tail,
     return st == MFSDP_OK ? ctx : NULL;
 }
 
-static const char *algo_name(mfsdp_algo_t a)
-{
-    return a == MFSDP_ALGO_DIRECT ? "direct" : a == MFSDP_ALGO_CHAIN ? "chain" : "native";
-}
-
 /* Every group's weights as full tensors (param dtype), per group/param. */
 typedef struct weights {
     size_t ng;
@@ -596,7 +592,7 @@ static void test_allgather(uint64_t seed)
                 for (size_t g = 0; g < m->ngroups; g++) {
                     snprintf(what, sizeof(what), "seed %llu tail %s gather %s rep %d",
                              (unsigned long long)seed, tail ? "shard" : "owner",
-                             algo_name(algos[a]), rep);
+                             mfsdp_algo_name(algos[a]), rep);
                     check_allgather(ctx, m, g, W.w[g], (rep + (int)g) % 2, what);
                 }
             }
@@ -702,7 +698,7 @@ static void test_reduce(uint64_t seed)
                     char what[128];
                     snprintf(what, sizeof(what), "seed %llu tail %s reduce %s op %d run %d",
                              (unsigned long long)seed, tail ? "shard" : "owner",
-                             algo_name(algos[a]), (int)ops[o], run);
+                             mfsdp_algo_name(algos[a]), (int)ops[o], run);
                     size_t slot = 0;
                     for (size_t g = 0; g < m->ngroups; g++) {
                         check_allgather(ctx, m, g, W.w[g], 0, what);
@@ -1061,9 +1057,9 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
     static const char *const modes[] = {"eager", "lazy", "manual"};
     snprintf(what, sizeof(what),
              "train seed %llu tail %s gather %s reduce %s %s accum %d clip %g op %d%s%s%s",
-             (unsigned long long)seed, tails[tc->tail], algo_name(tc->ga), algo_name(tc->ra),
-             modes[tc->mode], tc->accum, tc->clip, (int)tc->op, tc->drop ? " drop" : "",
-             tc->schedule ? " schedule" : "", tc->resume ? " resume" : "");
+             (unsigned long long)seed, tails[tc->tail], mfsdp_algo_name(tc->ga),
+             mfsdp_algo_name(tc->ra), modes[tc->mode], tc->accum, tc->clip, (int)tc->op,
+             tc->drop ? " drop" : "", tc->schedule ? " schedule" : "", tc->resume ? " resume" : "");
     if (tc->schedule) {
         m->hp.schedule.kind = MFSDP_SCHEDULE_WARMUP_COSINE;
         m->hp.schedule.warmup_steps = 3;

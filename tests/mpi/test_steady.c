@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/algo_table.h"
 #include "core/layout.h"
 #include "mfsdp/runtime_mpi.h"
 #ifdef TEST_TRANSPORT_NCCL
@@ -146,11 +147,6 @@ static mfsdp_manifest_t *manifest(void)
 static void manifest_free(mfsdp_manifest_t *m)
 {
     test_manifest_free_owned(m);
-}
-
-static const char *algo_name(mfsdp_algo_t a)
-{
-    return a == MFSDP_ALGO_DIRECT ? "direct" : a == MFSDP_ALGO_CHAIN ? "chain" : "native";
 }
 
 /* One context's run: 4 iterations of (all-gather, reduce) of both groups on fixed inputs. */
@@ -311,8 +307,8 @@ int main(int argc, char **argv)
                 continue;
             }
             char what[96];
-            snprintf(what, sizeof(what), "gather %s, reduce %s", algo_name(algos[ga]),
-                     algo_name(algos[ra]));
+            snprintf(what, sizeof(what), "gather %s, reduce %s", mfsdp_algo_name(algos[ga]),
+                     mfsdp_algo_name(algos[ra]));
             check_steady(&r, what);
             if (g_rank == 0 && ga == 0 && ra == 0) {
                 printf("test_steady: first call %ld datatype calls, %ld allocations; later "

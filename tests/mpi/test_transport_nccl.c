@@ -27,6 +27,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "core/algo_table.h"
 #include "core/log.h"
 #include "core/schedule.h"
 #include "kernels/executor.h"
@@ -322,10 +323,7 @@ static void run_case(mfsdp_transport_t *t, mfsdp_exec_t *e, int tail_only, int t
 {
     const size_t chunk = 64 << 10;
     char what[160];
-    snprintf(what, sizeof(what), "%s %s %s%s%s", dir ? "reduce" : "gather",
-             algo == MFSDP_ALGO_DIRECT  ? "direct"
-             : algo == MFSDP_ALGO_CHAIN ? "chain"
-                                        : "native",
+    snprintf(what, sizeof(what), "%s %s %s%s%s", dir ? "reduce" : "gather", mfsdp_algo_name(algo),
              tail_shard ? "tail shard" : "tail owner", tail_only ? " (tail only)" : "",
              staged ? " staged" : "");
     mfsdp_manifest_t *m = manifest(tail_only);
