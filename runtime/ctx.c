@@ -468,6 +468,51 @@ mfsdp_status_t mfsdp_ctx_agree(mfsdp_transport_t *tp, const mfsdp_manifest_t *ma
     return st;
 }
 
+/* What this rank resolved for the wire: per group, the algorithms and the chunks the schedules
+ * were cut with (all pure functions of agreed inputs, unless a table changed under the job). */
+static uint64_t wire_hash(const struct mfsdp_ctx *ctx)
+{
+    uint64_t h = MFSDP_HASH_INIT;
+    for (size_t g = 0; g < ctx->manifest->ngroups; g++) {
+        const mfsdp_group_state_t *gst = &ctx->groups[g];
+        const uint64_t v[4] = {(uint64_t)gst->gather_algo, (uint64_t)gst->reduce_algo,
+                               (uint64_t)gst->ag_chunk, (uint64_t)gst->rs_chunk};
+        h = mfsdp_hash_bytes(h, v, sizeof(v));
+    }
+    return h;
+}
+
+mfsdp_status_t mfsdp_ctx_agree_setup(struct mfsdp_ctx *ctx, mfsdp_status_t st)
+{
+    /* hi: the largest error magnitude, then the largest hash; lo: the smallest hash. */
+    uint64_t hi[2] = {st == MFSDP_OK ? 0 : (uint64_t)(-(int64_t)st), 0};
+    if (st == MFSDP_OK) {
+        hi[1] = wire_hash(ctx);
+    }
+    uint64_t lo = hi[1];
+    if (ctx->tp->ops->allreduce_u64(ctx->tp, hi, 2, 1) != MFSDP_OK ||
+        ctx->tp->ops->allreduce_u64(ctx->tp, &lo, 1, 0) != MFSDP_OK) {
+        MFSDP_WARN("context creation: agreeing on the set-up with the other ranks failed");
+        return st != MFSDP_OK ? st : MFSDP_ERR_TRANSPORT;
+    }
+    if (hi[0] != 0) {
+        if (st == MFSDP_OK) {
+            st = (mfsdp_status_t)(-(int64_t)hi[0]);
+            MFSDP_WARN("context creation failed on another rank (%s)", mfsdp_status_string(st));
+        }
+        return st;
+    }
+    if (lo != hi[1]) {
+        MFSDP_WARN("context creation: the ranks resolved different collective algorithms or "
+                   "chunks for the same groups, although their settings agreed; this rank: "
+                   "all-gather %s, reduce %s (MFSDP_DEBUG=INFO MFSDP_DEBUG_SUBSYS=RUNTIME logs "
+                   "each group's); was MFSDP_ALGO_TABLE rewritten while the job started?",
+                   mfsdp_algo_name(ctx->gather_algo), mfsdp_algo_name(ctx->reduce_algo));
+        return MFSDP_ERR_MISMATCH;
+    }
+    return MFSDP_OK;
+}
+
 void mfsdp_ctx_free(struct mfsdp_ctx *ctx)
 {
     if (ctx == NULL) {

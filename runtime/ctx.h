@@ -189,6 +189,14 @@ mfsdp_status_t mfsdp_ctx_agree(mfsdp_transport_t *tp, const mfsdp_manifest_t *ma
 /* Everything but the transport: plan, schedules, arena. Not collective. */
 mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_t *manifest,
                                     const mfsdp_ctx_opts_t *opts);
+
+/* Collective, after mfsdp_ctx_init_local() returned st on this rank: agree on the outcome (a
+ * rank-local failure fails every rank, the largest error magnitude wins) and, when every rank
+ * succeeded, on what each rank resolved for the wire (per group: algorithms and chunks). A
+ * rank that resolved otherwise than its peers (a measured table rewritten between the settings
+ * agreement and the set-up) is MFSDP_ERR_MISMATCH on every rank instead of messages that
+ * never match. Returns the agreed status. */
+mfsdp_status_t mfsdp_ctx_agree_setup(struct mfsdp_ctx *ctx, mfsdp_status_t st);
 /* Release what mfsdp_ctx_init_local() and the transport hold, and the context itself. */
 void mfsdp_ctx_free(struct mfsdp_ctx *ctx);
 

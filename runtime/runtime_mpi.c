@@ -52,21 +52,10 @@ mfsdp_status_t mfsdp_ctx_create_mpi(const mfsdp_manifest_t *manifest, const mfsd
         mfsdp_ctx_free(ctx);
         return st;
     }
-    st = mfsdp_ctx_init_local(ctx, manifest, opts);
     /* Agree on the outcome, so that a rank-local failure (memory) fails every rank instead
-     * of leaving the others waiting in their first collective. */
-    int mine = (int)st;
-    int worst = mine;
-    int rc = MPI_Allreduce(&mine, &worst, 1, MPI_INT, MPI_MIN, comm);
-    if (rc != MPI_SUCCESS) {
-        worst = MFSDP_ERR_TRANSPORT;
-    }
-    if (worst != MFSDP_OK) {
-        if (st == MFSDP_OK) {
-            MFSDP_WARN("context creation failed on another rank (%s)",
-                       mfsdp_status_string((mfsdp_status_t)worst));
-            st = (mfsdp_status_t)worst;
-        }
+     * of leaving the others waiting in their first collective, and on what it resolved. */
+    st = mfsdp_ctx_agree_setup(ctx, mfsdp_ctx_init_local(ctx, manifest, opts));
+    if (st != MFSDP_OK) {
         mfsdp_ctx_free(ctx);
         return st;
     }

@@ -184,17 +184,9 @@ mfsdp_status_t mfsdp_ctx_create_nccl(const mfsdp_manifest_t *manifest, const mfs
         st = mfsdp_ctx_init_local(ctx, manifest, opts);
     }
     /* Agree on the outcome, so that a rank-local failure (memory) fails every rank instead
-     * of leaving the others waiting in their first collective: the largest error magnitude
-     * wins, as MPI_MIN of the status in the MPI constructor. */
-    uint64_t worst = st == MFSDP_OK ? 0 : (uint64_t)(-(int64_t)st);
-    if (ctx->tp->ops->allreduce_u64(ctx->tp, &worst, 1, 1) != MFSDP_OK) {
-        worst = (uint64_t)(-(int64_t)MFSDP_ERR_TRANSPORT);
-    }
-    if (worst != 0) {
-        if (st == MFSDP_OK) {
-            st = (mfsdp_status_t)(-(int64_t)worst);
-            MFSDP_WARN("context creation failed on another rank (%s)", mfsdp_status_string(st));
-        }
+     * of leaving the others waiting in their first collective, and on what it resolved. */
+    st = mfsdp_ctx_agree_setup(ctx, st);
+    if (st != MFSDP_OK) {
         mfsdp_ctx_free(ctx);
         return st;
     }

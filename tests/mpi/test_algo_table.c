@@ -13,6 +13,11 @@
  *                             names the file's line
  *   test_algo_table mismatch  the last rank's table says otherwise: MFSDP_ERR_MISMATCH on
  *                             every rank, naming MFSDP_ALGO_TABLE
+ *   test_algo_table rewritten the last rank's table is rewritten between the settings
+ *                             agreement's read and the set-up's (fopen is wrapped at link
+ *                             time: its second open of the table rewrites the file first): the
+ *                             rows agreed, the ranks resolve different algorithms,
+ *                             MFSDP_ERR_MISMATCH on every rank instead of a hang
  */
 #include <mpi.h>
 #include <stdio.h>
@@ -35,6 +40,40 @@ static const char *manifest_text =
 static const char *table_text = "coll,nranks,min_bytes,max_bytes,algo\n"
                                 "allgather,-1,0,4095,chain\n"
                                 "reducescatter,-1,4096,-1,native\n";
+
+/* The "rewritten" mode's fopen (-Wl,--wrap; the library is linked in statically, and with
+ * large-file support its calls are to fopen64): the second open of g_rewrite finds other rows
+ * in it. Default visibility, as test_steady's wrappers. */
+static const char *g_rewrite;
+static int g_table_opens;
+
+FILE *__real_fopen(const char *path, const char *mode);
+FILE *__real_fopen64(const char *path, const char *mode);
+__attribute__((visibility("default"))) FILE *__wrap_fopen(const char *path, const char *mode);
+__attribute__((visibility("default"))) FILE *__wrap_fopen64(const char *path, const char *mode);
+
+static void rewrite_on_second_open(const char *path)
+{
+    if (g_rewrite != NULL && strcmp(path, g_rewrite) == 0 && ++g_table_opens == 2) {
+        FILE *f = __real_fopen(path, "w");
+        if (f != NULL) {
+            fputs("allgather,-1,0,-1,native\nreducescatter,-1,0,-1,chain\n", f);
+            fclose(f);
+        }
+    }
+}
+
+FILE *__wrap_fopen(const char *path, const char *mode)
+{
+    rewrite_on_second_open(path);
+    return __real_fopen(path, mode);
+}
+
+FILE *__wrap_fopen64(const char *path, const char *mode)
+{
+    rewrite_on_second_open(path);
+    return __real_fopen64(path, mode);
+}
 
 /* Create the context with stderr captured: *log_p is what the library said. */
 static mfsdp_status_t create(const mfsdp_manifest_t *m, mfsdp_ctx_h *ctx, const char **log_p)
@@ -154,6 +193,10 @@ int main(int argc, char **argv)
     }
     fclose(f);
     setenv("MFSDP_ALGO_TABLE", path, 1);
+    int rewritten = strcmp(mode, "rewritten") == 0;
+    if (rewritten && last) {
+        g_rewrite = path;
+    }
 
     mfsdp_manifest_t *m = NULL;
     char err[256];
@@ -172,6 +215,12 @@ int main(int argc, char **argv)
         CHECK(st == MFSDP_ERR_MISMATCH, "mismatch: %s", mfsdp_status_string(st));
         CHECK(strstr(log, "MFSDP_ALGO_TABLE (its rows) differs across ranks") != NULL,
               "message: %s", log);
+    } else if (rewritten) {
+        CHECK(st == MFSDP_ERR_MISMATCH, "rewritten: %s", mfsdp_status_string(st));
+        CHECK(strstr(log, "differs across ranks") == NULL, "the rows agreed: %s", log);
+        CHECK(strstr(log, "resolved different collective algorithms") != NULL, "message: %s", log);
+        CHECK(!last || g_table_opens == 2, "the table was opened %d times, expected 2",
+              g_table_opens);
     } else {
         CHECK(st == MFSDP_OK, "create: %s\n%s", mfsdp_status_string(st), log);
     }
