@@ -57,8 +57,9 @@
       "unset or no match: the built-in rule (docs/PERFORMANCE.md)")                                \
     X(SIZE, MFSDP_CHAIN_CHUNK, chain_chunk, "1M", "", "chunk bytes of the chain pipeline")         \
     X(SIZE, MFSDP_STAGING_BYTES, staging_bytes, "64M", "",                                         \
-      "communication staging per rank: the direct reduce-to-owner's chunks are sized so that "     \
-      "its ring of received chunks and the sharded-tail reduce fit (docs/PERFORMANCE.md)")         \
+      "communication staging per rank: the reduce-to-owner's chunks (every algorithm) and the "    \
+      "chain all-gather's are sized so that their rings and the sharded-tail reduce fit "          \
+      "(docs/PERFORMANCE.md)")                                                                     \
     X(STR, MFSDP_GRAD_DIVIDE, grad_divide, "", "",                                                 \
       "how owners turn a sum on the wire into the job's gradient, overriding the manifest's "      \
       "training.grad_divide: fsdp2 (FSDP2's rules), force_sum, world (divide by the world "        \

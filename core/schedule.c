@@ -383,20 +383,35 @@ static void reduce_ops(const mfsdp_group_sched_t *gs, oplist_t *l, const mfsdp_s
         }
         return;
     }
-    default: /* NATIVE */
-        FOR_CHUNKS(off, len, s->numel, max_elems)
+    default: { /* NATIVE */
+        /* One MPI_Ireduce / ncclReduce per chunk of fp32 partial sums. POUT (every rank) and
+         * FINAL (the owner) are rings of MFSDP_SCHED_WINDOW chunks: chunk k reuses the slot of
+         * chunk k - WINDOW once that one was reduced (and applied, on the owner), one wave
+         * later, so collectives are posted in (wave, list) order on every rank. */
+        size_t step = chunk_elems < max_elems ? chunk_elems : max_elems;
+        long rel[MFSDP_SCHED_WINDOW];
+        size_t k = 0;
+        FOR_CHUNKS(off, len, s->numel, step)
         {
-            mfsdp_sched_op_t op =
-                mkop(MFSDP_SCHED_REDUCE, si, o, MFSDP_BUF_POUT, off, len, tag, -1);
+            size_t slot = k % MFSDP_SCHED_WINDOW;
+            mfsdp_sched_op_t op = mkop(MFSDP_SCHED_REDUCE, si, o, MFSDP_BUF_POUT, off, len, tag,
+                                       k >= MFSDP_SCHED_WINDOW ? rel[slot] : -1);
             op.combine = 1;
+            op.boff = slot * step;
+            op.wave = (int)(k / MFSDP_SCHED_WINDOW);
             long d = push(l, &op);
             if (rank == o) {
                 op = mkop(MFSDP_SCHED_APPLY, si, o, MFSDP_BUF_FINAL, off, len, tag, d);
                 op.apply = MFSDP_APPLY_FINAL;
-                push(l, &op);
+                op.boff = slot * step;
+                op.wave = (int)(k / MFSDP_SCHED_WINDOW);
+                d = push(l, &op);
             }
+            rel[slot] = d;
+            k++;
         }
         return;
+    }
     }
 }
 

@@ -180,12 +180,17 @@ void mfsdp_group_sched_destroy(mfsdp_group_sched_t *gs);
  *    to the owner. Chains stage a ring of MFSDP_SCHED_WINDOW chunks per segment, not the
  *    whole tensor.
  *  - NATIVE: one broadcast per rank-block run (cut as the direct gather) / one fp32 reduce
- *    per segment (split at MFSDP_SCHED_MAX_MSG).
+ *    per chunk of at most chunk / 4 elements (and MFSDP_SCHED_MAX_MSG): the partial sums
+ *    (POUT, every rank) and the owner's sum (FINAL) are rings of MFSDP_SCHED_WINDOW chunks;
+ *    chunk k is wave k / WINDOW and its reduce waits for chunk k - WINDOW's (and, on the
+ *    owner, for its APPLY).
  * A group with a sharded tail gets one TAIL op first. All ops of a group are meant to be
- * in flight together (one completion loop), or run wave by wave (op->wave): the direct gather
- * and native are one wave; a chain hop h (rank h-1 to h in the reduce, position h-1 to h from the
- * owner in the gather; the reduce's last hop to the owner is h = n) of the chunks of window w
- * (chunk index / MFSDP_SCHED_WINDOW) is wave h - 1 + 2w, so a ring slot is sent on (wave
+ * in flight together (one completion loop), or run wave by wave (op->wave). Collectives
+ * (BCAST, REDUCE, TAIL) must be posted in the same order on every rank: a transport posts
+ * them in (wave, list) order, which the op lists of all ranks share. The direct gather and
+ * the native gather are one wave; a chain hop h (rank h-1 to h in the reduce, position h-1 to h
+ * from the owner in the gather; the reduce's last hop to the owner is h = n) of the chunks of
+ * window w (chunk index / MFSDP_SCHED_WINDOW) is wave h - 1 + 2w, so a ring slot is sent on (wave
  * h + 2(w-1)) before its next chunk arrives (wave h - 1 + 2w).
  */
 mfsdp_status_t mfsdp_sched_build(const mfsdp_group_sched_t *gs, int rank, mfsdp_sched_dir_t dir,

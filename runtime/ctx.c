@@ -129,7 +129,8 @@ static mfsdp_status_t resolve_algos(struct mfsdp_ctx *ctx, const mfsdp_ctx_opts_
  *    ring of MFSDP_SCHED_WINDOW slots of one chunk per rank (in the reduce dtype);
  *  - chain: one fp32 ring of MFSDP_SCHED_WINDOW chunks per tensor with a gradient, and one
  *    more per owned one, the chunk at most MFSDP_CHAIN_CHUNK;
- *  - native: not chunked (each tensor's fp32 partial sum; the context warns).
+ *  - native: the same rings (partial sums, and the owner's sums), the chunk at most one
+ *    message (MFSDP_SCHED_MAX_MSG): a collective per chunk costs more than a message.
  * The tail goes in one pass when it fits beside one-element chunks, else in passes that take
  * half of the room left beside them. A budget without room for both is refused. */
 static mfsdp_status_t reduce_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk_p,
@@ -140,7 +141,7 @@ static mfsdp_status_t reduce_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk
     const char *gname = ctx->manifest->groups[g].name;
     size_t n = (size_t)ctx->world;
     size_t kmax = 0, ngrad = 0; /* most owned tensors with a gradient on a rank; all of them */
-    if (algo != MFSDP_ALGO_NATIVE && n > 1) {
+    if (n > 1) {
         size_t *owned = calloc(n, sizeof(*owned));
         if (owned == NULL) {
             return MFSDP_ERR_NO_MEMORY;
@@ -159,10 +160,10 @@ static mfsdp_status_t reduce_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk
     if (algo == MFSDP_ALGO_DIRECT) {
         rings = kmax;
         per = kmax * MFSDP_SCHED_WINDOW * n * elt; /* ring bytes per chunk element */
-    } else if (algo == MFSDP_ALGO_CHAIN) {
+    } else {
         rings = ngrad + kmax;
         per = rings * MFSDP_SCHED_WINDOW * sizeof(float);
-        cap = ctx->chunk / sizeof(float);
+        cap = algo == MFSDP_ALGO_CHAIN ? ctx->chunk / sizeof(float) : cap;
     }
     size_t slack = (rings + 3) * MFSDP_ARENA_ALIGN;
     size_t tail_per = (n + 1) * sizeof(float); /* tail bytes per element of a pass */
@@ -362,13 +363,12 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
         MFSDP_CHECK(mfsdp_ctx_bind_reduce(ctx, g, ctx->groups[g].gs, NULL, &need_rs, &tb));
         stage = need_ag > stage ? need_ag : stage;
         stage = need_rs > stage ? need_rs : stage;
-        /* Direct and chain are sized to the budget; the native reduce is not chunked (each
-         * tensor's partial sum in fp32), nor the direct/native gather's packed own tail
-         * slices: said once, not refused. */
+        /* The reduces and the chain gather are sized to the budget; the direct/native
+         * gather's packed own sharded-tail slices are not: said once, not refused. */
         if ((need_ag > ctx->budget || need_rs > ctx->budget) && ctx->rank == 0) {
             MFSDP_WARN("group %s stages %zu bytes per rank (all-gather %zu, reduce %zu), above "
-                       "MFSDP_STAGING_BYTES=%zu: the native reduce (fp32 partial sums of whole "
-                       "tensors) and the sharded tail's slices are not held to it",
+                       "MFSDP_STAGING_BYTES=%zu: the all-gather's sharded-tail slices are not "
+                       "held to it",
                        manifest->groups[g].name, need_ag > need_rs ? need_ag : need_rs, need_ag,
                        need_rs, ctx->budget);
         }

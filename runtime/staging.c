@@ -85,7 +85,6 @@ mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, const mfsd
             continue;
         }
         int own = s->owner == ctx->rank;
-        size_t fbytes = mul_sat(&c, s->numel, sizeof(float));
         /* Every algorithm reads the own contribution in place from FSDP's buffer. */
         if (own) {
             b->grad = mfsdp_ctx_grad_target(ctx, s->shard);
@@ -111,12 +110,15 @@ mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, const mfsd
             }
             break;
         }
-        default:
-            b->pout = carve(&c, fbytes);
+        default: { /* native: rings of fp32 partial sums and of the owner's sums */
+            size_t ring = mul_sat(&c, mfsdp_sched_ring(s->numel, gst->rs_chunk / sizeof(float)),
+                                  sizeof(float));
+            b->pout = carve(&c, ring);
             if (own) {
-                b->final = carve(&c, fbytes);
+                b->final = carve(&c, ring);
             }
             break;
+        }
         }
     }
     tail->send = tail->recv = NULL;

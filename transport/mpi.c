@@ -4,7 +4,10 @@
  * dependency is posted at once (so all owner segments and the sharded-tail collective are
  * in flight together), and each completion posts the ops that waited for it (chain
  * forwarding). Nonblocking collectives (MPI_Ibcast/Ireduce/Iallgather/Ireduce_scatter_block)
- * are posted in op-list order, which is the same on every rank.
+ * match by the order in which they are posted, so they are posted in (wave, list) order, which
+ * every rank's op list shares: one whose dependencies completed waits for the collectives
+ * before it in that order (the native reduce's chunks reuse ring slots, so their reduces wait
+ * for earlier ones, and completions come in a different order on each rank).
  */
 #include "transport/mpi.h"
 
@@ -32,7 +35,10 @@ typedef struct mpi_cache {
     int *pending;   /* per run: those not completed yet */
     int *idx;
     const void **srcv; /* world entries: the sources of a direct reduce's ordered sum */
-    MPI_Datatype tail; /* one rank block's sharded-tail pieces in FSDP's all-gather output */
+    long *corder;      /* the collective ops in (wave, list) order: their posting order */
+    size_t ncoll;
+    unsigned char *ready; /* per run: op i's dependencies completed, not posted yet */
+    MPI_Datatype tail;    /* one rank block's sharded-tail pieces in FSDP's all-gather output */
 } mpi_cache_t;
 
 /* Per-run state of the completion loop. */
@@ -41,9 +47,16 @@ typedef struct engine {
     const mfsdp_xfer_t *x;
     mpi_cache_t *c;
     size_t active;
+    size_t next_coll; /* corder index of the next collective to post */
 } engine_t;
 
 static mfsdp_status_t post(engine_t *e, long i);
+
+static int is_coll(const mfsdp_sched_op_t *op)
+{
+    return op->kind == MFSDP_SCHED_BCAST || op->kind == MFSDP_SCHED_REDUCE ||
+           op->kind == MFSDP_SCHED_TAIL;
+}
 
 static mfsdp_status_t post_children(engine_t *e, long i)
 {
@@ -74,6 +87,8 @@ static void cache_free(void *state)
     free(c->pending);
     free(c->idx);
     free((void *)c->srcv);
+    free(c->corder);
+    free(c->ready);
     free(c);
 }
 
@@ -101,8 +116,9 @@ static mfsdp_status_t cache_get(mfsdp_sched_ops_t *l, int world, mpi_cache_t **c
     c->pending = malloc(n * sizeof(*c->pending));
     c->idx = malloc(n * sizeof(*c->idx));
     c->srcv = malloc((size_t)world * sizeof(*c->srcv));
+    c->ready = calloc(n, 1);
     if (c->reqs == NULL || c->cfirst == NULL || c->ndeps == NULL || c->pending == NULL ||
-        c->idx == NULL || c->srcv == NULL) {
+        c->idx == NULL || c->srcv == NULL || c->ready == NULL) {
         st = MFSDP_ERR_NO_MEMORY;
         goto err;
     }
@@ -141,6 +157,40 @@ static mfsdp_status_t cache_get(mfsdp_sched_ops_t *l, int world, mpi_cache_t **c
             c->clist[c->cfirst[d] + (size_t)c->pending[d]++] = (long)k;
         }
     }
+    /* The collectives' posting order: by wave, list order within a wave (a counting sort). */
+    int maxw = -1;
+    for (size_t i = 0; i < n; i++) {
+        if (is_coll(&l->ops[i])) {
+            if (l->ops[i].wave < 0) {
+                MFSDP_WARN("collective op %zu has wave %d", i, l->ops[i].wave);
+                st = MFSDP_ERR_INTERNAL;
+                goto err;
+            }
+            maxw = l->ops[i].wave > maxw ? l->ops[i].wave : maxw;
+            c->ncoll++;
+        }
+    }
+    size_t *wfirst = calloc((size_t)(maxw + 2), sizeof(*wfirst));
+    c->corder = malloc((c->ncoll + 1) * sizeof(*c->corder));
+    if (wfirst == NULL || c->corder == NULL) {
+        free(wfirst);
+        st = MFSDP_ERR_NO_MEMORY;
+        goto err;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (is_coll(&l->ops[i])) {
+            wfirst[l->ops[i].wave + 1]++;
+        }
+    }
+    for (int w = 0; w < maxw; w++) {
+        wfirst[w + 1] += wfirst[w];
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (is_coll(&l->ops[i])) {
+            c->corder[wfirst[l->ops[i].wave]++] = (long)i;
+        }
+    }
+    free(wfirst);
     mfsdp_sched_ops_keep(l, &mpi_ops, c, cache_free);
     *c_p = c;
     return MFSDP_OK;
@@ -265,7 +315,7 @@ static mfsdp_status_t post_into_fsdp(engine_t *e, long i, MPI_Request *req)
 }
 
 /* Post op i (or run it, for a local op) and, for local ops, what waited for it. */
-static mfsdp_status_t post(engine_t *e, long i)
+static mfsdp_status_t post_now(engine_t *e, long i)
 {
     const mfsdp_xfer_t *x = e->x;
     const mfsdp_sched_op_t *op = &x->ops->ops[i];
@@ -333,6 +383,22 @@ static mfsdp_status_t post(engine_t *e, long i)
     return MFSDP_OK;
 }
 
+/* Op i's dependencies completed: post it, unless it is a collective that earlier ones in the
+ * posting order (corder) still wait for; then every collective whose turn came. */
+static mfsdp_status_t post(engine_t *e, long i)
+{
+    if (!is_coll(&e->x->ops->ops[i])) {
+        return post_now(e, i);
+    }
+    e->c->ready[i] = 1;
+    while (e->next_coll < e->c->ncoll && e->c->ready[e->c->corder[e->next_coll]]) {
+        long k = e->c->corder[e->next_coll++];
+        e->c->ready[k] = 0;
+        MFSDP_CHECK(post_now(e, k));
+    }
+    return MFSDP_OK;
+}
+
 static mfsdp_status_t mpi_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
 {
     mpi_transport_t *t = (mpi_transport_t *)tb;
@@ -349,6 +415,7 @@ static mfsdp_status_t mpi_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
     MFSDP_CHECK(cache_get(x->ops, t->base.world, &e.c));
     MPI_Request *reqs = e.c->reqs; /* all MPI_REQUEST_NULL between runs */
     memcpy(e.c->pending, e.c->ndeps, n * sizeof(*e.c->pending));
+    memset(e.c->ready, 0, n); /* a failed run may have left some set */
     for (size_t i = 0; i < n; i++) {
         if (x->ops->ops[i].dep == -1) {
             MFSDP_CHECK_GOTO(post(&e, (long)i), st, out_wait);
@@ -370,6 +437,12 @@ static mfsdp_status_t mpi_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
             e.active--;
             MFSDP_CHECK_GOTO(post_children(&e, e.c->idx[k]), st, out_wait);
         }
+    }
+    if (e.next_coll != e.c->ncoll) {
+        MFSDP_WARN("group %zu: %zu of %zu collectives were never posted", x->gs->group,
+                   e.c->ncoll - e.next_coll, e.c->ncoll);
+        st = MFSDP_ERR_INTERNAL;
+        goto out_wait;
     }
     for (size_t i = 0; i < n; i++) {
         if (x->ops->ops[i].dep == MFSDP_SCHED_DEP_ALL) {

@@ -20,7 +20,11 @@
  * through the option) stages no more than the budget (the context's comm_staging_bytes),
  * cuts each tensor into many chunks (more point-to-point messages than under the default
  * 64 MiB) and the sharded tail into several reduce-scatter passes, and gives owners bitwise
- * the same gradients as the default budget (the tail slices within rounding).
+ * the same gradients as the default budget (the tail slices within rounding). The chain
+ * pipelines and the native reduce under a budget below what they stage by default: their
+ * chunks shrink to fit it (the native reduce then posts more MPI_Ireduce calls, in the same
+ * order on every rank), the all-gathers and the chains' sums stay bitwise the same, the
+ * native sums within rounding (MPI may sum another count in another order).
  */
 #include <mpi.h>
 #include <stdint.h>
@@ -41,7 +45,7 @@ static ncclComm_t g_ncomm;
 #include "tests/unit/manifest_util.h"
 
 static int g_counting;
-static long g_types, g_allocs, g_p2p, g_rsb;
+static long g_types, g_allocs, g_p2p, g_rsb, g_ired;
 
 void *__real_malloc(size_t n);
 void *__real_calloc(size_t k, size_t n);
@@ -89,6 +93,13 @@ int MPI_Ireduce_scatter_block(const void *s, void *r, int count, MPI_Datatype dt
 {
     g_rsb += g_counting;
     return PMPI_Ireduce_scatter_block(s, r, count, dt, op, comm, req);
+}
+
+int MPI_Ireduce(const void *s, void *r, int count, MPI_Datatype dt, MPI_Op op, int root,
+                MPI_Comm comm, MPI_Request *req)
+{
+    g_ired += g_counting;
+    return PMPI_Ireduce(s, r, count, dt, op, root, comm, req);
 }
 
 int MPI_Type_create_hindexed(int count, const int len[], const MPI_Aint disp[], MPI_Datatype old,
@@ -151,7 +162,7 @@ static void manifest_free(mfsdp_manifest_t *m)
 
 /* One context's run: 4 iterations of (all-gather, reduce) of both groups on fixed inputs. */
 typedef struct run_out {
-    long types[4], allocs[4], p2p[4], rsb[4];
+    long types[4], allocs[4], p2p[4], rsb[4], ired[4];
     float *slices; /* the sharded-tail slices' gradients, in manifest order */
     size_t nslices;
     size_t staging, budget;
@@ -217,7 +228,7 @@ static int run(const mfsdp_manifest_t *m, mfsdp_algo_t ga, mfsdp_algo_t ra, size
         mfsdp_group_layout_destroy(l);
     }
     for (int it = 0; it < 4; it++) {
-        g_types = g_allocs = g_p2p = g_rsb = 0;
+        g_types = g_allocs = g_p2p = g_rsb = g_ired = 0;
         g_counting = 1;
         for (size_t g = 0; g < 2; g++) {
             CHECK_OK(mfsdp_ctx_allgather(ctx, g, ag_send[g], ag_recv[g], ag_count[g], ag_dt[g]));
@@ -229,6 +240,7 @@ static int run(const mfsdp_manifest_t *m, mfsdp_algo_t ga, mfsdp_algo_t ra, size
         out->allocs[it] = g_allocs;
         out->p2p[it] = g_p2p;
         out->rsb[it] = g_rsb;
+        out->ired[it] = g_ired;
     }
     out->gathered = 1469598103934665603ull;
     for (size_t g = 0; g < 2; g++) {
@@ -392,6 +404,52 @@ int main(int argc, char **argv)
         free(dc.slices);
         free(rc.grads);
         free(rc.slices);
+    }
+    /* The native reduce under a budget below its default staging: chunked into rings. */
+    run_out_t dn, rn;
+    if (g_world > 1 && run(m, MFSDP_ALGO_DIRECT, MFSDP_ALGO_NATIVE, 0, &dn) == 0 &&
+        run(m, MFSDP_ALGO_DIRECT, MFSDP_ALGO_NATIVE, tight, &rn) == 0) {
+        check_steady(&rn, "native reduce under a 1.5 KiB budget");
+        CHECK(dn.staging > tight && rn.staging <= tight,
+              "native reduce: %zu staging bytes by default, %zu under a budget of %zu", dn.staging,
+              rn.staging, tight);
+        if (counted) {
+            CHECK(rn.ired[1] > dn.ired[1],
+                  "native reduce under the budget: %ld MPI_Ireduce per iteration, default %ld: "
+                  "not chunked",
+                  rn.ired[1], dn.ired[1]);
+        }
+        long mine = (long)rn.ngrads, all = 0; /* owners' elements compared, over ranks */
+        PMPI_Allreduce(&mine, &all, 1, MPI_LONG, MPI_SUM, MPI_COMM_WORLD);
+        CHECK(rn.ngrads == dn.ngrads && all > 0,
+              "native reduce under the budget: %zu vs %zu gradient elements (%ld on all ranks)",
+              rn.ngrads, dn.ngrads, all);
+        for (size_t i = 0; i < rn.ngrads && i < dn.ngrads; i++) {
+            float d = rn.grads[i] - dn.grads[i];
+            if (!(d * d <= 1e-10f * (1.0f + dn.grads[i] * dn.grads[i]))) {
+                CHECK(0, "native reduce, element %zu: %.9g under the budget, %.9g by default", i,
+                      rn.grads[i], dn.grads[i]);
+                break;
+            }
+        }
+        /* And against the direct reduce's exact rank-order sums (the default run). */
+        for (size_t i = 0; i < rn.ngrads && i < def.ngrads; i++) {
+            float d = rn.grads[i] - def.grads[i];
+            if (!(d * d <= 1e-10f * (1.0f + def.grads[i] * def.grads[i]))) {
+                CHECK(0, "native reduce, element %zu: %.9g, direct %.9g", i, rn.grads[i],
+                      def.grads[i]);
+                break;
+            }
+        }
+        if (g_rank == 0) {
+            printf("test_steady: native reduce, budget %zu: %zu staging bytes, %ld reduces per "
+                   "iteration; default budget: %zu bytes, %ld reduces\n",
+                   tight, rn.staging, rn.ired[1], dn.staging, dn.ired[1]);
+        }
+        free(dn.grads);
+        free(dn.slices);
+        free(rn.grads);
+        free(rn.slices);
     }
     free(def.grads);
     free(def.slices);
