@@ -102,6 +102,45 @@ static double median(double *v, int n)
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/* Paired runs of mfsdp (mine) and a baseline (other): every run times all systems back to back
+ * (rotated order), so run k of both saw the same machine. *wins: runs in which mfsdp was
+ * faster; *p: the one-sided sign test's p-value of that many wins or more if neither were
+ * faster (0.5 each); ratio[3]: median, min and max of other / mine per run. */
+typedef struct paired {
+    int wins, runs;
+    double p, ratio[3];
+} paired_t;
+
+static paired_t paired_runs(const double *mine, const double *other, int n)
+{
+    paired_t r = {0, n, 0.0, {0.0, 0.0, 0.0}};
+    double q[64];
+    for (int k = 0; k < n && k < 64; k++) {
+        r.wins += mine[k] < other[k];
+        q[k] = mine[k] > 0.0 ? other[k] / mine[k] : 0.0;
+        r.ratio[1] = k == 0 || q[k] < r.ratio[1] ? q[k] : r.ratio[1];
+        r.ratio[2] = k == 0 || q[k] > r.ratio[2] ? q[k] : r.ratio[2];
+    }
+    double c = 1.0; /* C(n, j), from j = 0 */
+    for (int j = 0; j <= n; j++) {
+        if (j >= r.wins) {
+            r.p += c;
+        }
+        c = c * (double)(n - j) / (double)(j + 1);
+    }
+    r.p = ldexp(r.p, -n);
+    r.ratio[0] = n > 0 ? median(q, n) : 0.0;
+    return r;
+}
+
+static void print_paired(FILE *f, const char *other, const paired_t *r)
+{
+    fprintf(f,
+            "# paired runs: mfsdp faster than %s in %d of %d (per-run time ratio median %.3f, "
+            "min %.3f, max %.3f; one-sided sign test p = %.3g)\n",
+            other, r->wins, r->runs, r->ratio[0], r->ratio[1], r->ratio[2], r->p);
+}
+
 static int parse_int(const char *arg, int lo, int *out)
 {
     char *end;
@@ -1748,6 +1787,9 @@ static int opt_run(const perf_opts_t *o, void *state)
         wrong = sum_long(opt_check(&x, tmp));
     }
     if (rc == 0 && g_rank == 0) {
+        /* before median() sorts the runs */
+        const paired_t pr[3] = {
+            {0}, paired_runs(tt[0], tt[1], iters), paired_runs(tt[0], tt[2], iters)};
         double med[3][3];
         for (int s = 0; s < 3; s++) {
             med[s][0] = median(tt[s], iters);
@@ -1778,8 +1820,13 @@ static int opt_run(const perf_opts_t *o, void *state)
             if (o->json) {
                 printf("{\"subcommand\":\"optstep\",\"ranks\":%d,\"system\":\"%s\","
                        "\"total_s\":%.6f,\"comm_s\":%.6f,\"compute_s\":%.6f,"
-                       "\"time_vs_mfsdp\":%.4f,\"wrong\":%ld}\n",
+                       "\"time_vs_mfsdp\":%.4f,\"wrong\":%ld",
                        g_world, names[s], med[s][0], med[s][1], med[s][2], ratio, wrong);
+                if (s != 0) {
+                    printf(",\"mfsdp_faster_runs\":%d,\"runs\":%d,\"sign_test_p\":%.4g", pr[s].wins,
+                           pr[s].runs, pr[s].p);
+                }
+                printf("}\n");
             } else {
                 printf(" %-11s %10.1f %10.1f %10.1f %14.3f %7ld\n", names[s], 1e3 * med[s][0],
                        1e3 * med[s][1], 1e3 * med[s][2], ratio, wrong);
@@ -1787,6 +1834,8 @@ static int opt_run(const perf_opts_t *o, void *state)
         }
         fprintf(hdr, "# mfsdp speedup: %.3fx vs fsdp2-muon, %.3fx vs dmuon (%d ranks)\n",
                 med[1][0] / med[0][0], med[2][0] / med[0][0], g_world);
+        print_paired(hdr, "fsdp2-muon", &pr[1]);
+        print_paired(hdr, "dmuon", &pr[2]);
         fflush(stdout);
     }
     if (wrong != 0) {
@@ -2623,6 +2672,9 @@ static int ts_run(const perf_opts_t *o, void *state)
         wrong = sum_long(ts_check(&t, tmp));
     }
     if (rc == 0 && g_rank == 0) {
+        /* before median() sorts the runs */
+        const paired_t p_fsdp2 = paired_runs(tt[TS_MFSDP], tt[TS_FSDP2], iters);
+        const paired_t p_dmuon = paired_runs(tt[TS_MFSDP], tt[TS_DMUON], iters);
         double med[TS_NSYS][6];
         for (int s = 0; s < TS_NSYS; s++) {
             med[s][0] = median(tt[s], iters);
@@ -2676,6 +2728,11 @@ static int ts_run(const perf_opts_t *o, void *state)
                        "\"time_vs_mfsdp\":%.4f,\"wrong\":%ld",
                        g_world, t.T, ts_names[s], med[s][0], med[s][1], med[s][2], med[s][3],
                        med[s][4], med[s][5], ratio, wrong);
+                if (s == TS_FSDP2 || s == TS_DMUON) {
+                    const paired_t *pp = s == TS_FSDP2 ? &p_fsdp2 : &p_dmuon;
+                    printf(",\"mfsdp_faster_runs\":%d,\"runs\":%d,\"sign_test_p\":%.4g", pp->wins,
+                           pp->runs, pp->p);
+                }
                 if (s == TS_MFSDP) {
                     printf(",\"bound_s\":%.6f,\"bound_met\":%s,\"ns_fwdbwd_flops\":%.4f,"
                            "\"ns_fwdbwd_flops_mfsdp\":%.4f",
@@ -2697,6 +2754,8 @@ static int ts_run(const perf_opts_t *o, void *state)
                 "# mfsdp speedup: %.3fx vs fsdp2-muon, %.3fx vs dmuon: faster than both: %s "
                 "(%d ranks)\n",
                 r_fsdp2, r_dmuon, r_fsdp2 > 1.0 && r_dmuon > 1.0 ? "yes" : "NO", g_world);
+        print_paired(hdr, "fsdp2-muon", &p_fsdp2);
+        print_paired(hdr, "dmuon", &p_dmuon);
         fprintf(hdr,
                 "# analytic FLOPs per rank: forward+backward %.1f G; Newton-Schulz %.1f G "
                 "(fsdp2-muon: all of it), mfsdp's most loaded owner %.1f G; NS/(fwd+bwd) = "

@@ -10,6 +10,7 @@ by the harness but never asserted.
 """
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -77,6 +78,19 @@ def main():
             sys.exit("FAIL: corruption of mfsdp's result showed on a native row: %r" % bad)
         print("ok: corruption caught: %r, exit %d" % (bad, proc.returncode))
         return
+    # optstep / trainstep: the paired-runs sign test on each baseline's row, recomputed here.
+    for r in rows:
+        if a.sub in ("optstep", "trainstep") and r["system"] in ("fsdp2-muon", "dmuon"):
+            for k in ("mfsdp_faster_runs", "runs", "sign_test_p"):
+                if k not in r:
+                    sys.exit("FAIL: %s row without %s: %r" % (r["system"], k, r))
+            n, w = r["runs"], r["mfsdp_faster_runs"]
+            if not 0 <= w <= n:
+                sys.exit("FAIL: %d faster runs of %d: %r" % (w, n, r))
+            p = sum(math.comb(n, j) for j in range(w, n + 1)) / 2.0 ** n
+            if abs(r["sign_test_p"] - p) > 1e-3 * p:
+                sys.exit("FAIL: sign test p %g, expected %g for %d of %d: %r"
+                         % (r["sign_test_p"], p, w, n, r))
     if proc.returncode != 0:
         sys.exit("FAIL: exit %d" % proc.returncode)
     if len(rows) < a.min_rows:
