@@ -291,6 +291,45 @@ static void check_steady(const run_out_t *r, const char *what)
     }
 }
 
+static void run_free(run_out_t *r)
+{
+    free(r->grads);
+    free(r->slices);
+}
+
+/* got[i] within rounding of want[i] for every i (MPI may sum another count in another
+ * order); the first element that is not is reported. */
+static void check_close(const float *got, const float *want, size_t n, const char *what)
+{
+    for (size_t i = 0; i < n; i++) {
+        float d = got[i] - want[i];
+        if (!(d * d <= 1e-10f * (1.0f + want[i] * want[i]))) {
+            CHECK(0, "%s, element %zu: %.9g, expected %.9g", what, i, got[i], want[i]);
+            return;
+        }
+    }
+}
+
+/* Algorithms (ga, ra) at the default budget (*d) and under budget (*r): both runs steady,
+ * the default staging above the budget and the small one within it. -1 (nothing to free)
+ * when a run failed. */
+static int run_pair(const mfsdp_manifest_t *m, mfsdp_algo_t ga, mfsdp_algo_t ra, size_t budget,
+                    run_out_t *d, run_out_t *r, const char *what)
+{
+    if (run(m, ga, ra, 0, d) != 0) {
+        return -1;
+    }
+    if (run(m, ga, ra, budget, r) != 0) {
+        run_free(d);
+        return -1;
+    }
+    check_steady(r, what);
+    CHECK(d->staging > budget && r->staging <= budget,
+          "%s: %zu staging bytes by default, %zu under a budget of %zu", what, d->staging,
+          r->staging, budget);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     MPI_Init(&argc, &argv);
@@ -330,8 +369,7 @@ int main(int argc, char **argv)
             if (ga == 0 && ra == 0) {
                 def = r;
             } else {
-                free(r.grads);
-                free(r.slices);
+                run_free(&r);
             }
         }
     }
@@ -363,14 +401,8 @@ int main(int argc, char **argv)
               r.rsb[1], def.rsb[1]);
         CHECK(r.nslices == def.nslices && r.nslices > 0, "tail slices: %zu vs %zu elements",
               r.nslices, def.nslices);
-        for (size_t i = 0; i < r.nslices && i < def.nslices; i++) {
-            float d = r.slices[i] - def.slices[i];
-            if (!(d * d <= 1e-10f * (1.0f + def.slices[i] * def.slices[i]))) {
-                CHECK(0, "tail slice element %zu: %.9g under the budget, %.9g by default", i,
-                      r.slices[i], def.slices[i]);
-                break;
-            }
-        }
+        check_close(r.slices, def.slices, r.nslices < def.nslices ? r.nslices : def.nslices,
+                    "tail slices under the budget against the default budget's");
         if (g_rank == 0) {
             printf(
                 "test_steady: direct reduce, budget %zu: %zu staging bytes, %ld messages and %ld "
@@ -378,19 +410,14 @@ int main(int argc, char **argv)
                 "passes\n",
                 small, r.staging, r.p2p[1], r.rsb[1], def.staging, def.p2p[1], def.rsb[1]);
         }
-        free(r.grads);
-        free(r.slices);
+        run_free(&r);
     }
     /* The chain pipelines under a budget below what their default chunk stages: the chunks
      * shrink to fit it, the results stay bitwise the same (the sums keep their rank order). */
     run_out_t dc, rc;
     const size_t tight = 1536;
-    if (g_world > 1 && run(m, MFSDP_ALGO_CHAIN, MFSDP_ALGO_CHAIN, 0, &dc) == 0 &&
-        run(m, MFSDP_ALGO_CHAIN, MFSDP_ALGO_CHAIN, tight, &rc) == 0) {
-        check_steady(&rc, "chain under a 1.5 KiB budget");
-        CHECK(dc.staging > tight && rc.staging <= tight,
-              "chain: %zu staging bytes by default, %zu under a budget of %zu", dc.staging,
-              rc.staging, tight);
+    if (g_world > 1 && run_pair(m, MFSDP_ALGO_CHAIN, MFSDP_ALGO_CHAIN, tight, &dc, &rc,
+                                "chain under a 1.5 KiB budget") == 0) {
         CHECK(rc.gathered == dc.gathered, "chain under the budget: all-gather outputs differ");
         CHECK(rc.ngrads == dc.ngrads &&
                   (rc.ngrads == 0 || memcmp(rc.grads, dc.grads, rc.ngrads * sizeof(float)) == 0),
@@ -400,19 +427,13 @@ int main(int argc, char **argv)
             printf("test_steady: chain, budget %zu: %zu staging bytes; default budget: %zu\n",
                    tight, rc.staging, dc.staging);
         }
-        free(dc.grads);
-        free(dc.slices);
-        free(rc.grads);
-        free(rc.slices);
+        run_free(&dc);
+        run_free(&rc);
     }
     /* The native reduce under a budget below its default staging: chunked into rings. */
     run_out_t dn, rn;
-    if (g_world > 1 && run(m, MFSDP_ALGO_DIRECT, MFSDP_ALGO_NATIVE, 0, &dn) == 0 &&
-        run(m, MFSDP_ALGO_DIRECT, MFSDP_ALGO_NATIVE, tight, &rn) == 0) {
-        check_steady(&rn, "native reduce under a 1.5 KiB budget");
-        CHECK(dn.staging > tight && rn.staging <= tight,
-              "native reduce: %zu staging bytes by default, %zu under a budget of %zu", dn.staging,
-              rn.staging, tight);
+    if (g_world > 1 && run_pair(m, MFSDP_ALGO_DIRECT, MFSDP_ALGO_NATIVE, tight, &dn, &rn,
+                                "native reduce under a 1.5 KiB budget") == 0) {
         if (counted) {
             CHECK(rn.ired[1] > dn.ired[1],
                   "native reduce under the budget: %ld MPI_Ireduce per iteration, default %ld: "
@@ -424,35 +445,20 @@ int main(int argc, char **argv)
         CHECK(rn.ngrads == dn.ngrads && all > 0,
               "native reduce under the budget: %zu vs %zu gradient elements (%ld on all ranks)",
               rn.ngrads, dn.ngrads, all);
-        for (size_t i = 0; i < rn.ngrads && i < dn.ngrads; i++) {
-            float d = rn.grads[i] - dn.grads[i];
-            if (!(d * d <= 1e-10f * (1.0f + dn.grads[i] * dn.grads[i]))) {
-                CHECK(0, "native reduce, element %zu: %.9g under the budget, %.9g by default", i,
-                      rn.grads[i], dn.grads[i]);
-                break;
-            }
-        }
-        /* And against the direct reduce's exact rank-order sums (the default run). */
-        for (size_t i = 0; i < rn.ngrads && i < def.ngrads; i++) {
-            float d = rn.grads[i] - def.grads[i];
-            if (!(d * d <= 1e-10f * (1.0f + def.grads[i] * def.grads[i]))) {
-                CHECK(0, "native reduce, element %zu: %.9g, direct %.9g", i, rn.grads[i],
-                      def.grads[i]);
-                break;
-            }
-        }
+        size_t nn = rn.ngrads < dn.ngrads ? rn.ngrads : dn.ngrads;
+        check_close(rn.grads, dn.grads, nn, "native reduce under the budget against unchunked");
+        /* and against the direct reduce's exact rank-order sums (the default run) */
+        check_close(rn.grads, def.grads, rn.ngrads < def.ngrads ? rn.ngrads : def.ngrads,
+                    "native reduce under the budget against the direct reduce");
         if (g_rank == 0) {
             printf("test_steady: native reduce, budget %zu: %zu staging bytes, %ld reduces per "
                    "iteration; default budget: %zu bytes, %ld reduces\n",
                    tight, rn.staging, rn.ired[1], dn.staging, dn.ired[1]);
         }
-        free(dn.grads);
-        free(dn.slices);
-        free(rn.grads);
-        free(rn.slices);
+        run_free(&dn);
+        run_free(&rn);
     }
-    free(def.grads);
-    free(def.slices);
+    run_free(&def);
     manifest_free(m);
 #ifdef TEST_TRANSPORT_NCCL
     ncclCommDestroy(g_ncomm);
