@@ -177,9 +177,13 @@ int main(int argc, char **argv)
     if (strcmp(mode, "override") == 0) {
         setenv("MFSDP_GATHER_ALGO", "native", 1);
     }
-    /* Each rank its own file: the content is what must agree. */
-    char path[64];
-    snprintf(path, sizeof(path), "test_algo_table.%d.%d.csv", (int)getpid(), g_rank);
+    /* Each rank its own file: the content is what must agree. In the temporary directory, not
+     * the working one: a run killed before its unlink (by hand, from a source tree) leaves
+     * nothing where it could be committed. */
+    const char *tmp =
+        getenv("TMPDIR") != NULL && getenv("TMPDIR")[0] != '\0' ? getenv("TMPDIR") : "/tmp";
+    char path[512];
+    snprintf(path, sizeof(path), "%s/test_algo_table.%d.%d.csv", tmp, (int)getpid(), g_rank);
     FILE *f = fopen(path, "w");
     if (f == NULL) {
         MPI_Abort(MPI_COMM_WORLD, 2);
