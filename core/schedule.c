@@ -462,6 +462,59 @@ mfsdp_status_t mfsdp_sched_build_tail(mfsdp_sched_ops_t *ops_p)
     return MFSDP_OK;
 }
 
+mfsdp_status_t mfsdp_sched_wave_order(const mfsdp_sched_ops_t *l,
+                                      int (*keep)(const mfsdp_sched_op_t *op), long **order_p,
+                                      size_t *count_p, size_t **first_p, size_t *nw_p)
+{
+    MFSDP_CHECK_ARG(l != NULL && keep != NULL && order_p != NULL && count_p != NULL);
+    size_t nw = 0, count = 0;
+    for (size_t i = 0; i < l->nops; i++) {
+        const mfsdp_sched_op_t *op = &l->ops[i];
+        if (!keep(op)) {
+            continue;
+        }
+        if (op->wave < 0) {
+            MFSDP_WARN("op %zu has wave %d", i, op->wave);
+            return MFSDP_ERR_INTERNAL;
+        }
+        nw = (size_t)op->wave + 1 > nw ? (size_t)op->wave + 1 : nw;
+        count++;
+    }
+    size_t *first = calloc(nw + 1, sizeof(*first));
+    size_t *fill = malloc((nw + 1) * sizeof(*fill));
+    long *order = malloc((count + 1) * sizeof(*order));
+    if (first == NULL || fill == NULL || order == NULL) {
+        free(first);
+        free(fill);
+        free(order);
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    for (size_t i = 0; i < l->nops; i++) {
+        if (keep(&l->ops[i])) {
+            first[l->ops[i].wave + 1]++;
+        }
+    }
+    for (size_t w = 0; w < nw; w++) {
+        first[w + 1] += first[w];
+    }
+    memcpy(fill, first, (nw + 1) * sizeof(*fill));
+    for (size_t i = 0; i < l->nops; i++) {
+        if (keep(&l->ops[i])) {
+            order[fill[l->ops[i].wave]++] = (long)i;
+        }
+    }
+    free(fill);
+    *order_p = order;
+    *count_p = count;
+    if (first_p != NULL) {
+        *first_p = first;
+        *nw_p = nw;
+    } else {
+        free(first);
+    }
+    return MFSDP_OK;
+}
+
 static void release_state(mfsdp_sched_ops_t *ops)
 {
     if (ops->tp_state != NULL && ops->tp_state_free != NULL) {

@@ -138,6 +138,27 @@ void *mfsdp_sched_ops_state(mfsdp_sched_ops_t *ops, const void *owner);
 void mfsdp_sched_ops_keep(mfsdp_sched_ops_t *ops, const void *owner, void *state,
                           void (*free_fn)(void *state));
 
+/* A local op: run by the caller between transfers (APPLY, COPYOUT). */
+static inline int mfsdp_sched_op_is_local(const mfsdp_sched_op_t *op)
+{
+    return op->kind == MFSDP_SCHED_APPLY || op->kind == MFSDP_SCHED_COPYOUT;
+}
+
+/* A collective op (BCAST, REDUCE, TAIL): every rank posts it, in the same order. */
+static inline int mfsdp_sched_op_is_collective(const mfsdp_sched_op_t *op)
+{
+    return op->kind == MFSDP_SCHED_BCAST || op->kind == MFSDP_SCHED_REDUCE ||
+           op->kind == MFSDP_SCHED_TAIL;
+}
+
+/* The ops of l that keep() selects, by wave and in list order within a wave (a counting
+ * sort): *order_p their indices (*count_p of them) and, unless first_p is NULL, *first_p
+ * (*nw_p + 1 entries: wave w is order[first[w], first[w+1])), nw = the largest selected wave
+ * + 1. Both allocated, free() them. A selected op with a negative wave is an internal error. */
+mfsdp_status_t mfsdp_sched_wave_order(const mfsdp_sched_ops_t *l,
+                                      int (*keep)(const mfsdp_sched_op_t *op), long **order_p,
+                                      size_t *count_p, size_t **first_p, size_t *nw_p);
+
 /* Units of a chain's ring buffer for a tensor of total units: min(total, WINDOW chunks). */
 static inline size_t mfsdp_sched_ring(size_t total, size_t chunk_units)
 {

@@ -52,12 +52,6 @@ typedef struct engine {
 
 static mfsdp_status_t post(engine_t *e, long i);
 
-static int is_coll(const mfsdp_sched_op_t *op)
-{
-    return op->kind == MFSDP_SCHED_BCAST || op->kind == MFSDP_SCHED_REDUCE ||
-           op->kind == MFSDP_SCHED_TAIL;
-}
-
 static mfsdp_status_t post_children(engine_t *e, long i)
 {
     for (size_t k = e->c->cfirst[i]; k < e->c->cfirst[i + 1]; k++) {
@@ -157,40 +151,10 @@ static mfsdp_status_t cache_get(mfsdp_sched_ops_t *l, int world, mpi_cache_t **c
             c->clist[c->cfirst[d] + (size_t)c->pending[d]++] = (long)k;
         }
     }
-    /* The collectives' posting order: by wave, list order within a wave (a counting sort). */
-    int maxw = -1;
-    for (size_t i = 0; i < n; i++) {
-        if (is_coll(&l->ops[i])) {
-            if (l->ops[i].wave < 0) {
-                MFSDP_WARN("collective op %zu has wave %d", i, l->ops[i].wave);
-                st = MFSDP_ERR_INTERNAL;
-                goto err;
-            }
-            maxw = l->ops[i].wave > maxw ? l->ops[i].wave : maxw;
-            c->ncoll++;
-        }
-    }
-    size_t *wfirst = calloc((size_t)(maxw + 2), sizeof(*wfirst));
-    c->corder = malloc((c->ncoll + 1) * sizeof(*c->corder));
-    if (wfirst == NULL || c->corder == NULL) {
-        free(wfirst);
-        st = MFSDP_ERR_NO_MEMORY;
-        goto err;
-    }
-    for (size_t i = 0; i < n; i++) {
-        if (is_coll(&l->ops[i])) {
-            wfirst[l->ops[i].wave + 1]++;
-        }
-    }
-    for (int w = 0; w < maxw; w++) {
-        wfirst[w + 1] += wfirst[w];
-    }
-    for (size_t i = 0; i < n; i++) {
-        if (is_coll(&l->ops[i])) {
-            c->corder[wfirst[l->ops[i].wave]++] = (long)i;
-        }
-    }
-    free(wfirst);
+    /* The collectives' posting order: by wave, list order within a wave. */
+    MFSDP_CHECK_GOTO(
+        mfsdp_sched_wave_order(l, mfsdp_sched_op_is_collective, &c->corder, &c->ncoll, NULL, NULL),
+        st, err);
     mfsdp_sched_ops_keep(l, &mpi_ops, c, cache_free);
     *c_p = c;
     return MFSDP_OK;
@@ -330,7 +294,7 @@ static mfsdp_status_t post_now(engine_t *e, long i)
         e->active++;
         return MFSDP_OK;
     }
-    if (op->kind == MFSDP_SCHED_APPLY || op->kind == MFSDP_SCHED_COPYOUT) {
+    if (mfsdp_sched_op_is_local(op)) {
         MFSDP_CHECK(mfsdp_xfer_local(x, op, rank, e->t->base.world, e->c->srcv));
         return post_children(e, i);
     }
@@ -387,7 +351,7 @@ static mfsdp_status_t post_now(engine_t *e, long i)
  * posting order (corder) still wait for; then every collective whose turn came. */
 static mfsdp_status_t post(engine_t *e, long i)
 {
-    if (!is_coll(&e->x->ops->ops[i])) {
+    if (!mfsdp_sched_op_is_collective(&e->x->ops->ops[i])) {
         return post_now(e, i);
     }
     e->c->ready[i] = 1;

@@ -304,9 +304,10 @@ static mfsdp_status_t group_end(nccl_transport_t *t, mfsdp_status_t st)
  * Op lists
  */
 
-static int is_local(const mfsdp_sched_op_t *op)
+/* The ops that run in a wave: every op but the local ones that wait for all (DEP_ALL). */
+static int in_a_wave(const mfsdp_sched_op_t *op)
 {
-    return op->kind == MFSDP_SCHED_APPLY || op->kind == MFSDP_SCHED_COPYOUT;
+    return op->dep != MFSDP_SCHED_DEP_ALL;
 }
 
 /* The sharded tail of a group. Reduce: one fp32 ncclReduceScatter of the packed blocks.
@@ -470,10 +471,9 @@ static mfsdp_status_t post(nccl_transport_t *t, const mfsdp_xfer_t *x, long i)
 
 /* The list is checked before anything is posted, so that a broken one is an error on every
  * rank instead of a hang: waves of dependencies, local DEP_ALL ops. */
-static mfsdp_status_t check_list(const mfsdp_xfer_t *x, int *maxw_p)
+static mfsdp_status_t check_list(const mfsdp_xfer_t *x)
 {
     const mfsdp_sched_ops_t *l = x->ops;
-    int maxw = -1;
     for (size_t i = 0; i < l->nops; i++) {
         const mfsdp_sched_op_t *op = &l->ops[i];
         if (op->seg >= x->gs->nsegs && op->kind != MFSDP_SCHED_TAIL) {
@@ -482,7 +482,7 @@ static mfsdp_status_t check_list(const mfsdp_xfer_t *x, int *maxw_p)
             return MFSDP_ERR_INTERNAL;
         }
         if (op->dep == MFSDP_SCHED_DEP_ALL) {
-            if (!is_local(op)) {
+            if (!mfsdp_sched_op_is_local(op)) {
                 MFSDP_WARN("op %zu of group %zu waits for all others but is a transfer", i,
                            x->gs->group);
                 return MFSDP_ERR_INTERNAL;
@@ -498,16 +498,14 @@ static mfsdp_status_t check_list(const mfsdp_xfer_t *x, int *maxw_p)
         }
         for (long q = op->dep; op->dep >= 0 && q < op->dep + nd; q++) {
             const mfsdp_sched_op_t *d = &l->ops[q];
-            if (is_local(op) ? op->wave < d->wave : op->wave <= d->wave) {
+            if (mfsdp_sched_op_is_local(op) ? op->wave < d->wave : op->wave <= d->wave) {
                 MFSDP_WARN("op %zu of group %zu (wave %d) would run before op %ld it depends on "
                            "(wave %d)",
                            i, x->gs->group, op->wave, q, d->wave);
                 return MFSDP_ERR_INTERNAL;
             }
         }
-        maxw = op->wave > maxw ? op->wave : maxw;
     }
-    *maxw_p = maxw;
     return MFSDP_OK;
 }
 
@@ -538,39 +536,20 @@ static mfsdp_status_t ncache_get(const mfsdp_xfer_t *x, int world, nccl_cache_t 
     if (*c_p != NULL) {
         return MFSDP_OK;
     }
-    int maxw;
-    MFSDP_CHECK(check_list(x, &maxw));
-    size_t n = l->nops;
+    MFSDP_CHECK(check_list(x));
     nccl_cache_t *c = calloc(1, sizeof(*c));
     if (c == NULL) {
         return MFSDP_ERR_NO_MEMORY;
     }
-    c->nw = (size_t)maxw + 1;
-    c->first = calloc(c->nw + 1, sizeof(*c->first));
-    c->order = malloc((n + 1) * sizeof(*c->order));
     c->srcv = malloc((size_t)world * sizeof(*c->srcv));
-    size_t *fill = calloc(c->nw + 1, sizeof(*fill));
-    if (c->first == NULL || c->order == NULL || c->srcv == NULL || fill == NULL) {
-        free(fill);
+    size_t count;
+    mfsdp_status_t st = c->srcv == NULL ? MFSDP_ERR_NO_MEMORY
+                                        : mfsdp_sched_wave_order(l, in_a_wave, &c->order, &count,
+                                                                 &c->first, &c->nw);
+    if (st != MFSDP_OK) {
         ncache_free(c);
-        return MFSDP_ERR_NO_MEMORY;
+        return st;
     }
-    /* Op indices by wave (counting sort). */
-    for (size_t i = 0; i < n; i++) {
-        if (l->ops[i].dep != MFSDP_SCHED_DEP_ALL) {
-            c->first[l->ops[i].wave + 1]++;
-        }
-    }
-    for (size_t w = 0; w < c->nw; w++) {
-        c->first[w + 1] += c->first[w];
-    }
-    memcpy(fill, c->first, (c->nw + 1) * sizeof(*fill));
-    for (size_t i = 0; i < n; i++) {
-        if (l->ops[i].dep != MFSDP_SCHED_DEP_ALL) {
-            c->order[fill[l->ops[i].wave]++] = (long)i;
-        }
-    }
-    free(fill);
     mfsdp_sched_ops_keep(l, &nccl_ops, c, ncache_free);
     *c_p = c;
     return MFSDP_OK;
@@ -597,8 +576,8 @@ static mfsdp_status_t nccl_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
          * arrived in earlier waves). */
         for (size_t k = first[w]; k < first[w + 1]; k++) {
             const mfsdp_sched_op_t *op = &x->ops->ops[order[k]];
-            comm |= !is_local(op);
-            if (!is_local(op) && op->combine) {
+            comm |= !mfsdp_sched_op_is_local(op);
+            if (!mfsdp_sched_op_is_local(op) && op->combine) {
                 MFSDP_CHECK(mfsdp_xfer_prepare(x, op));
             }
         }
@@ -606,7 +585,7 @@ static mfsdp_status_t nccl_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
             MFSDP_CHECK(group_start(t));
             mfsdp_status_t sp = MFSDP_OK;
             for (size_t k = first[w]; k < first[w + 1] && sp == MFSDP_OK; k++) {
-                if (!is_local(&x->ops->ops[order[k]])) {
+                if (!mfsdp_sched_op_is_local(&x->ops->ops[order[k]])) {
                     sp = post(t, x, order[k]);
                 }
             }
@@ -614,7 +593,7 @@ static mfsdp_status_t nccl_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
         }
         for (size_t k = first[w]; k < first[w + 1]; k++) {
             const mfsdp_sched_op_t *op = &x->ops->ops[order[k]];
-            if (is_local(op)) {
+            if (mfsdp_sched_op_is_local(op)) {
                 MFSDP_CHECK(mfsdp_xfer_local(x, op, t->base.rank, t->base.world, c->srcv));
             }
         }

@@ -257,3 +257,52 @@ Test(waves, chain_windows)
     }
     test_sched_manifest_free(m);
 }
+
+/* mfsdp_sched_wave_order: the selected ops by wave, list order kept within a wave; the wave
+ * starts; a selected op with a negative wave refused, an unselected one ignored. */
+static int select_coll(const mfsdp_sched_op_t *o)
+{
+    return is_coll(o);
+}
+
+Test(waves, order)
+{
+    /* kind, wave: list order 0..6 */
+    static const struct {
+        mfsdp_sched_kind_t kind;
+        int wave;
+    } spec[] = {{MFSDP_SCHED_REDUCE, 2}, {MFSDP_SCHED_SEND, 0},   {MFSDP_SCHED_TAIL, 0},
+                {MFSDP_SCHED_REDUCE, 1}, {MFSDP_SCHED_APPLY, -1}, {MFSDP_SCHED_REDUCE, 0},
+                {MFSDP_SCHED_BCAST, 2}};
+    mfsdp_sched_op_t v[7];
+    memset(v, 0, sizeof(v));
+    for (size_t i = 0; i < 7; i++) {
+        v[i].kind = spec[i].kind;
+        v[i].wave = spec[i].wave;
+    }
+    mfsdp_sched_ops_t l = {.nops = 7, .ops = v};
+    long *order = NULL;
+    size_t *first = NULL, count = 0, nw = 0;
+    cr_assert_eq(mfsdp_sched_wave_order(&l, select_coll, &order, &count, &first, &nw), MFSDP_OK);
+    static const long want[] = {2, 5, 3, 0, 6};
+    static const size_t want_first[] = {0, 2, 3, 5};
+    cr_assert_eq(count, 5);
+    cr_assert_eq(nw, 3);
+    for (size_t k = 0; k < 5; k++) {
+        cr_expect_eq(order[k], want[k], "order[%zu] = %ld, expected %ld", k, order[k], want[k]);
+    }
+    for (size_t w = 0; w <= 3; w++) {
+        cr_expect_eq(first[w], want_first[w], "first[%zu] = %zu", w, first[w]);
+    }
+    free(order);
+    free(first);
+    /* Without first_p; then a selected op with a negative wave. */
+    cr_assert_eq(mfsdp_sched_wave_order(&l, select_coll, &order, &count, NULL, NULL), MFSDP_OK);
+    cr_expect_eq(count, 5);
+    free(order);
+    v[3].wave = -1;
+    order = NULL;
+    cr_expect_eq(mfsdp_sched_wave_order(&l, select_coll, &order, &count, NULL, NULL),
+                 MFSDP_ERR_INTERNAL);
+    cr_expect_null(order);
+}
