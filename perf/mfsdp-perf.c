@@ -113,13 +113,12 @@ typedef struct paired {
 
 static paired_t paired_runs(const double *mine, const double *other, int n)
 {
+    n = n < 64 ? n : 64; /* the harness times at most 64 runs */
     paired_t r = {0, n, 0.0, {0.0, 0.0, 0.0}};
     double q[64];
-    for (int k = 0; k < n && k < 64; k++) {
+    for (int k = 0; k < n; k++) {
         r.wins += mine[k] < other[k];
         q[k] = mine[k] > 0.0 ? other[k] / mine[k] : 0.0;
-        r.ratio[1] = k == 0 || q[k] < r.ratio[1] ? q[k] : r.ratio[1];
-        r.ratio[2] = k == 0 || q[k] > r.ratio[2] ? q[k] : r.ratio[2];
     }
     double c = 1.0; /* C(n, j), from j = 0 */
     for (int j = 0; j <= n; j++) {
@@ -129,7 +128,11 @@ static paired_t paired_runs(const double *mine, const double *other, int n)
         c = c * (double)(n - j) / (double)(j + 1);
     }
     r.p = ldexp(r.p, -n);
-    r.ratio[0] = n > 0 ? median(q, n) : 0.0;
+    if (n > 0) {
+        r.ratio[0] = median(q, n); /* sorts q */
+        r.ratio[1] = q[0];
+        r.ratio[2] = q[n - 1];
+    }
     return r;
 }
 
@@ -139,6 +142,12 @@ static void print_paired(FILE *f, const char *other, const paired_t *r)
             "# paired runs: mfsdp faster than %s in %d of %d (per-run time ratio median %.3f, "
             "min %.3f, max %.3f; one-sided sign test p = %.3g)\n",
             other, r->wins, r->runs, r->ratio[0], r->ratio[1], r->ratio[2], r->p);
+}
+
+/* The same as fields of a baseline's --json row. */
+static void print_paired_json(const paired_t *r)
+{
+    printf(",\"mfsdp_faster_runs\":%d,\"runs\":%d,\"sign_test_p\":%.4g", r->wins, r->runs, r->p);
 }
 
 static int parse_int(const char *arg, int lo, int *out)
@@ -1823,8 +1832,7 @@ static int opt_run(const perf_opts_t *o, void *state)
                        "\"time_vs_mfsdp\":%.4f,\"wrong\":%ld",
                        g_world, names[s], med[s][0], med[s][1], med[s][2], ratio, wrong);
                 if (s != 0) {
-                    printf(",\"mfsdp_faster_runs\":%d,\"runs\":%d,\"sign_test_p\":%.4g", pr[s].wins,
-                           pr[s].runs, pr[s].p);
+                    print_paired_json(&pr[s]);
                 }
                 printf("}\n");
             } else {
@@ -2729,9 +2737,7 @@ static int ts_run(const perf_opts_t *o, void *state)
                        g_world, t.T, ts_names[s], med[s][0], med[s][1], med[s][2], med[s][3],
                        med[s][4], med[s][5], ratio, wrong);
                 if (s == TS_FSDP2 || s == TS_DMUON) {
-                    const paired_t *pp = s == TS_FSDP2 ? &p_fsdp2 : &p_dmuon;
-                    printf(",\"mfsdp_faster_runs\":%d,\"runs\":%d,\"sign_test_p\":%.4g", pp->wins,
-                           pp->runs, pp->p);
+                    print_paired_json(s == TS_FSDP2 ? &p_fsdp2 : &p_dmuon);
                 }
                 if (s == TS_MFSDP) {
                     printf(",\"bound_s\":%.6f,\"bound_met\":%s,\"ns_fwdbwd_flops\":%.4f,"
