@@ -177,17 +177,20 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
     size_t need;
     mfsdp_tail_bufs_t tb = {0};
     MFSDP_CHECK(mfsdp_ctx_bind_gather(ctx, group, ctx->stage, &need, &tb));
-    size_t toff = 0;
+    /* The own sharded-tail slices go straight to their place in FSDP's output (rank block
+     * rank), from which the tail collective sends them in place: no staging. */
     for (size_t k = 0; k < gs->ntail; k++) {
         size_t pi = gs->tail[k];
         const mfsdp_param_layout_t *e = &ag->entries[pi];
+        char *dst = (char *)recvbuf + (size_t)ctx->rank * ag->bytes + e->o_bytes;
         const char *mine =
             mfsdp_ctx_slot(ctx, ctx->plan->group_first[group] + pi, MFSDP_ARENA_COMM);
         if (mine == NULL) { /* tail "job": the job's own (trained) slice travels */
             mine = (const char *)sendbuf + e->o_bytes;
         }
-        MFSDP_CHECK(ctx->exec->ops->copy(ctx->exec, (char *)tb.send + toff, mine, e->s_bytes));
-        toff += e->s_bytes;
+        if (mine != dst) { /* tail "job" in place: already there */
+            MFSDP_CHECK(ctx->exec->ops->copy(ctx->exec, dst, mine, e->s_bytes));
+        }
     }
     unpack_arg_t ua = {ctx, gs, gst->bufs, recvbuf};
     mfsdp_xfer_t x = {
@@ -197,8 +200,8 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
         .ops = &gst->ag_ops,
         .bufs = gst->bufs,
         .ag_out = recvbuf,
-        .tail_send = tb.send,
-        .tail_recv = tb.recv,
+        .tail_send = NULL, /* in place in ag_out */
+        .tail_recv = NULL,
         .tail_count = gs->tail_ag_bytes,
         .overlap = unpack_owned,
         .overlap_arg = &ua,
@@ -206,8 +209,8 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
     MFSDP_CHECK(ctx->tp->ops->run(ctx->tp, &x));
 
     /* Every received tensor landed in place in FSDP's output (the chain copied its chunks
-     * out): only its padding rows are zeroed here, and the tail unpacked. The own tensors
-     * were unpacked while the transfers ran. */
+     * out): only its padding rows are zeroed here. The own tensors were unpacked while the
+     * transfers ran. */
     for (size_t i = 0; i < gs->nsegs; i++) {
         const mfsdp_sched_seg_t *s = &gs->segs[i];
         if (s->owner == ctx->rank) {
@@ -218,17 +221,6 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
             mfsdp_layout_piece(ag, ctx->world, s->param, r, &pc);
             MFSDP_CHECK(ctx->exec->ops->zero(ctx->exec, (char *)recvbuf + pc.buf_offset + pc.valid,
                                              pc.pad));
-        }
-    }
-    for (int r = 0; r < ctx->world && gs->ntail != 0 && tb.recv != NULL; r++) {
-        const char *blk = (const char *)tb.recv + (size_t)r * gs->tail_ag_bytes;
-        toff = 0;
-        for (size_t k = 0; k < gs->ntail; k++) {
-            const mfsdp_param_layout_t *e = &ag->entries[gs->tail[k]];
-            MFSDP_CHECK(ctx->exec->ops->copy(ctx->exec,
-                                             (char *)recvbuf + (size_t)r * ag->bytes + e->o_bytes,
-                                             blk + toff, e->s_bytes));
-            toff += e->s_bytes;
         }
     }
     ctx->allgathers++;

@@ -122,9 +122,9 @@ static mfsdp_status_t resolve_algos(struct mfsdp_ctx *ctx, const mfsdp_ctx_opts_
 }
 
 /* The reduce's staging plan of group g, the same on every rank: the sharded-tail reduce's
- * fp32 blocks ((world + 1) x tail_pass floats) and the pipeline chunk (in the schedule's
- * unit, 4 bytes per element) such that every ring a rank may hold fits the staging budget
- * with them:
+ * blocks (2 world blocks of tail_pass elements in the reduce dtype, tail_pass floats) and
+ * the pipeline chunk (in the schedule's unit, 4 bytes per element) such that every ring a
+ * rank may hold fits the staging budget with them:
  *  - direct: the most owned tensors with a gradient any rank has in the group, each with a
  *    ring of MFSDP_SCHED_WINDOW slots of one chunk per rank (in the reduce dtype);
  *  - chain: one fp32 ring of MFSDP_SCHED_WINDOW chunks per tensor with a gradient, and one
@@ -165,8 +165,10 @@ static mfsdp_status_t reduce_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk
         per = rings * MFSDP_SCHED_WINDOW * sizeof(float);
         cap = algo == MFSDP_ALGO_CHAIN ? ctx->chunk / sizeof(float) : cap;
     }
-    size_t slack = (rings + 3) * MFSDP_ARENA_ALIGN;
-    size_t tail_per = (n + 1) * sizeof(float); /* tail bytes per element of a pass */
+    size_t slack = (rings + 4) * MFSDP_ARENA_ALIGN; /* the rings' and the tail's 3 carves */
+    /* Tail bytes per element of a pass: the blocks sent (at least a float: the scratch of
+     * the output's cast) and received, and the fp32 sum (mfsdp_ctx_bind_reduce). */
+    size_t tail_per = (n * elt > sizeof(float) ? n * elt : sizeof(float)) + n * elt + sizeof(float);
     size_t T = gs->tail_rs_elems;
     size_t room = ctx->budget > slack + per ? ctx->budget - slack - per : 0;
     size_t pass = T;
@@ -198,8 +200,8 @@ static mfsdp_status_t reduce_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk
 
 /* The chain all-gather's chunk (bytes) for group g, the same on every rank: a ring of
  * MFSDP_SCHED_WINDOW chunks per tensor a rank receives (at most every owned tensor of the
- * group) and the packed own sharded-tail slices fit the budget; at most MFSDP_CHAIN_CHUNK.
- * Direct and native gathers receive in place and stage only those slices. */
+ * group) fits the budget; at most MFSDP_CHAIN_CHUNK. Direct and native gathers receive in
+ * place and stage nothing (nor does the sharded tail: gathered in place). */
 static mfsdp_status_t gather_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk_p)
 {
     const mfsdp_group_sched_t *gs = ctx->groups[g].gs;
@@ -207,15 +209,14 @@ static mfsdp_status_t gather_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk
     if (ctx->groups[g].gather_algo != MFSDP_ALGO_CHAIN || ctx->world == 1 || gs->nsegs == 0) {
         return MFSDP_OK;
     }
-    size_t fixed = gs->tail_ag_bytes + (gs->nsegs + 2) * MFSDP_ARENA_ALIGN;
+    size_t fixed = (gs->nsegs + 2) * MFSDP_ARENA_ALIGN;
     size_t per = gs->nsegs * MFSDP_SCHED_WINDOW; /* ring bytes per chunk byte */
     size_t c = ctx->budget > fixed ? (ctx->budget - fixed) / per : 0;
     if (c < sizeof(float)) {
         MFSDP_WARN("MFSDP_STAGING_BYTES=%zu is too small for the chain all-gather of group %s: "
-                   "%zu tensors x %d slots of a %zu-byte chunk and %zu bytes of sharded-tail "
-                   "slices need %zu",
+                   "%zu tensors x %d slots of a %zu-byte chunk need %zu",
                    ctx->budget, ctx->manifest->groups[g].name, gs->nsegs, MFSDP_SCHED_WINDOW,
-                   sizeof(float), gs->tail_ag_bytes, fixed + per * sizeof(float));
+                   sizeof(float), fixed + per * sizeof(float));
         return MFSDP_ERR_CONFIG;
     }
     *chunk_p = c < ctx->chunk ? c : ctx->chunk;
@@ -363,14 +364,13 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
         MFSDP_CHECK(mfsdp_ctx_bind_reduce(ctx, g, ctx->groups[g].gs, NULL, &need_rs, &tb));
         stage = need_ag > stage ? need_ag : stage;
         stage = need_rs > stage ? need_rs : stage;
-        /* The reduces and the chain gather are sized to the budget; the direct/native
-         * gather's packed own sharded-tail slices are not: said once, not refused. */
-        if ((need_ag > ctx->budget || need_rs > ctx->budget) && ctx->rank == 0) {
+        /* Every plan above is sized to the budget. */
+        if (need_ag > ctx->budget || need_rs > ctx->budget) {
             MFSDP_WARN("group %s stages %zu bytes per rank (all-gather %zu, reduce %zu), above "
-                       "MFSDP_STAGING_BYTES=%zu: the all-gather's sharded-tail slices are not "
-                       "held to it",
+                       "MFSDP_STAGING_BYTES=%zu (a bug: the plans are sized to it)",
                        manifest->groups[g].name, need_ag > need_rs ? need_ag : need_rs, need_ag,
                        need_rs, ctx->budget);
+            return MFSDP_ERR_INTERNAL;
         }
     }
     size_t ws = 0;

@@ -153,10 +153,12 @@ mfsdp_status_t mfsdp_ctx_check(const struct mfsdp_ctx *ctx);
 /* MFSDP_ERR_INVALID_ARG (logged, naming what) for a group index out of range. */
 mfsdp_status_t mfsdp_ctx_group_check(const struct mfsdp_ctx *ctx, size_t group, const char *what);
 
-/* The packed sharded tail of one call. */
+/* The packed sharded tail of one call. Reduce: send and recv hold world blocks of one pass
+ * in the reduce dtype (the contributions sent, those received), sum its fp32 sum. */
 typedef struct mfsdp_tail_bufs {
     void *send;
     void *recv;
+    float *sum;
 } mfsdp_tail_bufs_t;
 
 /* Bind the staging buffers of group g's all-gather / reduce (under schedule gs: the group's or

@@ -74,11 +74,12 @@ err:
     return st;
 }
 
-/* Sharded-tail elements [a, b) of every rank block of FSDP's input, packed rank-major in fp32
- * with the premul factor applied (the tail block is the group's tail slices in order). */
+/* Sharded-tail elements [a, b) of every rank block of FSDP's input, packed rank-major as
+ * FSDP's input holds them (the tail block is the group's tail slices in order): block r goes
+ * to rank r, in the bytes FSDP's own reduce-scatter would move. */
 static mfsdp_status_t tail_pack(struct mfsdp_ctx *ctx, const mfsdp_group_sched_t *gs,
-                                const void *sendbuf, mfsdp_dtype_t dtype, mfsdp_redop_t op,
-                                float sc, size_t a, size_t b, float *dst)
+                                const void *sendbuf, mfsdp_dtype_t dtype, size_t a, size_t b,
+                                char *dst)
 {
     const mfsdp_buffer_layout_t *rs = &gs->layout->rs;
     size_t elt = mfsdp_dtype_size(dtype);
@@ -94,12 +95,26 @@ static mfsdp_status_t tail_pack(struct mfsdp_ctx *ctx, const mfsdp_group_sched_t
             if (lo < hi) {
                 const char *src =
                     (const char *)sendbuf + (size_t)r * rs->bytes + pe->o_bytes + (lo - t) * elt;
-                MFSDP_CHECK(
-                    ctx->exec->ops->combine(ctx->exec, dst, NULL, src, dtype, hi - lo, op, sc));
-                dst += hi - lo;
+                MFSDP_CHECK(ctx->exec->ops->copy(ctx->exec, dst, src, (hi - lo) * elt));
+                dst += (hi - lo) * elt;
             }
             t += (size_t)pe->s;
         }
+    }
+    return MFSDP_OK;
+}
+
+/* The fp32 sum of this rank's tail elements over every rank's contribution (count elements
+ * per block), in rank order whatever the transport or the pass: the own block read where it
+ * was packed, the others' where the all-to-all put them; the premul factor applied to each. */
+static mfsdp_status_t tail_sum(struct mfsdp_ctx *ctx, const mfsdp_tail_bufs_t *tb,
+                               mfsdp_dtype_t dtype, mfsdp_redop_t op, float sc, size_t count)
+{
+    size_t blk = count * mfsdp_dtype_size(dtype);
+    for (int r = 0; r < ctx->world; r++) {
+        const char *src = (const char *)(r == ctx->rank ? tb->send : tb->recv) + (size_t)r * blk;
+        MFSDP_CHECK(ctx->exec->ops->combine(ctx->exec, tb->sum, r == 0 ? NULL : tb->sum, src, dtype,
+                                            count, op, sc));
     }
     return MFSDP_OK;
 }
@@ -230,10 +245,13 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
 
     /* The sharded tail in passes of at most gst->tail_pass elements per rank block (one pass
      * unless the staging budget cut it): pass 0 rides with the owner segments' op list, the
-     * others run alone. */
+     * others run alone. Each pass is an all-to-all of the contributions in FSDP's reduce
+     * dtype (the bytes FSDP's reduce-scatter moves) and a sum on every rank of its own
+     * slices' contributions, in fp32 and rank order as the owners' sums: exact to fp32
+     * whatever FSDP's dtype, and bitwise the same for any transport or pass split. */
     size_t T = gs->tail_rs_elems;
     size_t P = T < gst->tail_pass ? T : gst->tail_pass;
-    if (T != 0 && (P == 0 || tb.send == NULL || tb.recv == NULL)) {
+    if (T != 0 && (P == 0 || tb.send == NULL || tb.recv == NULL || tb.sum == NULL)) {
         MFSDP_WARN("reduce of group %s: no staging for the sharded tail", gname);
         return MFSDP_ERR_INTERNAL;
     }
@@ -241,7 +259,7 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
     do { /* tail elements [a, b) of every rank block; one run when there is no tail */
         size_t b = T - a < P ? T : a + P;
         if (T != 0) {
-            MFSDP_CHECK(tail_pack(ctx, gs, sendbuf, dtype, op, sc, a, b, tb.send));
+            MFSDP_CHECK(tail_pack(ctx, gs, sendbuf, dtype, a, b, tb.send));
         }
         mfsdp_xfer_t x = {
             .exec = ctx->exec,
@@ -255,12 +273,13 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
             .rs_in = sendbuf,
             .tail_send = tb.send,
             .tail_recv = tb.recv,
-            .tail_count = b - a,
+            .tail_count = (b - a) * mfsdp_dtype_size(dtype),
         };
         MFSDP_CHECK(ctx->tp->ops->run(ctx->tp, &x));
         if (T != 0) {
-            MFSDP_CHECK(
-                tail_apply(ctx, group, gs, recvbuf, dtype, op, post, a, b, tb.recv, tb.send));
+            MFSDP_CHECK(tail_sum(ctx, &tb, dtype, op, sc, b - a));
+            MFSDP_CHECK(tail_apply(ctx, group, gs, recvbuf, dtype, op, post, a, b, tb.sum,
+                                   (float *)tb.send));
         }
         a = b;
     } while (a < T);

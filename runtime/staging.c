@@ -57,12 +57,10 @@ mfsdp_status_t mfsdp_ctx_bind_gather(struct mfsdp_ctx *ctx, size_t g, char *base
             b->stage = carve(&c, mfsdp_sched_ring(s->ag_bytes, gst->ag_chunk));
         } /* direct and native: every run lands in place in FSDP's output (no staging) */
     }
-    if (gs->tail_ag_bytes != 0) {
-        /* Own slices packed (they are not contiguous in the arena); the all-gather lands
-         * straight in FSDP's output (tail->recv stays NULL). */
-        tail->send = carve(&c, gs->tail_ag_bytes);
-        tail->recv = NULL;
-    }
+    /* The sharded tail needs none: the own slices are copied to their place in FSDP's output
+     * and gathered there in place. */
+    tail->send = tail->recv = NULL;
+    tail->sum = NULL;
     if (c.overflow) {
         return MFSDP_ERR_OVERFLOW;
     }
@@ -122,14 +120,18 @@ mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, const mfsd
         }
     }
     tail->send = tail->recv = NULL;
+    tail->sum = NULL;
     if (gs->tail_rs_elems != 0) {
-        /* Packed rank-major fp32 blocks: MPI cannot sum 16-bit floats, and Open MPI 4.1
-         * refuses MPI_SUM on a derived datatype that would address FSDP's buffer in place.
-         * One pass's worth (the budget may cut the tail into passes). */
+        /* One pass's worth (the budget may cut the tail into passes) of packed rank-major
+         * blocks in the reduce dtype, sent and received (an all-to-all), and their fp32
+         * sum. Once summed, the sent blocks are the scratch of the output's cast: at least
+         * one float per element. */
         size_t pass = gs->tail_rs_elems < gst->tail_pass ? gs->tail_rs_elems : gst->tail_pass;
-        size_t tb = mul_sat(&c, pass, sizeof(float));
-        tail->send = carve(&c, mul_sat(&c, tb, n));
-        tail->recv = carve(&c, tb);
+        size_t blocks = mul_sat(&c, mul_sat(&c, pass, elt), n);
+        size_t scratch = mul_sat(&c, pass, sizeof(float));
+        tail->send = carve(&c, blocks > scratch ? blocks : scratch);
+        tail->recv = carve(&c, blocks);
+        tail->sum = carve(&c, scratch);
     }
     if (c.overflow) {
         return MFSDP_ERR_OVERFLOW;

@@ -223,8 +223,10 @@ static mfsdp_status_t post_tail(engine_t *e, MPI_Request *req)
 {
     const mfsdp_xfer_t *x = e->x;
     int gather = x->dir == MFSDP_SCHED_DIR_GATHER;
-    if (x->tail_count > INT_MAX || x->tail_send == NULL || (!gather && x->tail_recv == NULL)) {
-        MFSDP_WARN("sharded tail of %zu units per rank: missing buffers or above INT_MAX",
+    if (x->tail_count > INT_MAX || (x->tail_recv != NULL && x->tail_send == NULL) ||
+        (!gather && x->tail_recv == NULL) ||
+        (gather && x->tail_recv == NULL && x->ag_out == NULL)) {
+        MFSDP_WARN("sharded tail of %zu bytes per rank: missing buffers or above INT_MAX",
                    x->tail_count);
         return MFSDP_ERR_UNSUPPORTED;
     }
@@ -234,13 +236,15 @@ static mfsdp_status_t post_tail(engine_t *e, MPI_Request *req)
         rc = MPI_Iallgather(x->tail_send, cnt, MPI_BYTE, x->tail_recv, cnt, MPI_BYTE, e->t->comm,
                             req);
     } else if (!gather) {
-        rc = MPI_Ireduce_scatter_block(x->tail_send, x->tail_recv, cnt, MPI_FLOAT, MPI_SUM,
-                                       e->t->comm, req);
+        /* The contributions in FSDP's reduce dtype; the caller sums them in rank order. */
+        rc = MPI_Ialltoall(x->tail_send, cnt, MPI_BYTE, x->tail_recv, cnt, MPI_BYTE, e->t->comm,
+                           req);
     } else {
-        /* Straight into the tail pieces of FSDP's all-gather output: no staging. */
+        /* In place in the tail pieces of FSDP's all-gather output (this rank's are in its
+         * block): no staging. */
         MPI_Datatype t;
         MFSDP_CHECK(tail_block_type(x, e->c, &t));
-        rc = MPI_Iallgather(x->tail_send, cnt, MPI_BYTE, x->ag_out, 1, t, e->t->comm, req);
+        rc = MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x->ag_out, 1, t, e->t->comm, req);
     }
     if (rc != MPI_SUCCESS) {
         MFSDP_WARN("posting the sharded-tail collective of group %zu failed (mpi error %d)",

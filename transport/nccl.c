@@ -144,7 +144,6 @@ static void *resolve(const char *name)
     X(Reduce)                                                                                      \
     X(AllReduce)                                                                                   \
     X(AllGather)                                                                                   \
-    X(ReduceScatter)                                                                               \
     X(CommCount)                                                                                   \
     X(CommUserRank)                                                                                \
     X(CommCuDevice)                                                                                \
@@ -310,22 +309,36 @@ static int in_a_wave(const mfsdp_sched_op_t *op)
     return op->dep != MFSDP_SCHED_DEP_ALL;
 }
 
-/* The sharded tail of a group. Reduce: one fp32 ncclReduceScatter of the packed blocks.
- * Gather: one ncclAllGather into the runtime's staging, or, straight into FSDP's output
- * (tail_recv NULL), one broadcast per rank and contiguous run of tail pieces in a rank
- * block (an all-gather when the tail is the whole block). */
+/* The sharded tail of a group. Reduce: an all-to-all of the packed blocks in the reduce
+ * dtype (ncclSend / ncclRecv with every other rank).
+ * Gather: one ncclAllGather into staging (tail_recv), or, in place in FSDP's output
+ * (tail_recv NULL: this rank's pieces are in its block), one broadcast per rank and
+ * contiguous run of tail pieces in a rank block (an all-gather when the tail is the whole
+ * block). */
 static mfsdp_status_t post_tail(nccl_transport_t *t, const mfsdp_xfer_t *x)
 {
     int gather = x->dir == MFSDP_SCHED_DIR_GATHER;
-    if (x->tail_send == NULL || (!gather && x->tail_recv == NULL)) {
+    if ((x->tail_recv != NULL && x->tail_send == NULL) || (!gather && x->tail_recv == NULL)) {
         MFSDP_WARN("sharded tail of group %zu: no staging buffer bound", x->gs->group);
         return MFSDP_ERR_INTERNAL;
     }
     if (!gather) {
-        return check_in_group(t,
-                              t->api.ReduceScatter(x->tail_send, x->tail_recv, x->tail_count,
-                                                   ncclFloat32, ncclSum, t->comm, STREAM(t)),
-                              "ncclReduceScatter (sharded tail)");
+        /* An all-to-all of the contributions in FSDP's reduce dtype, as point-to-point pairs
+         * (the own block stays where it was packed); the caller sums them in rank order. */
+        for (int r = 0; r < t->base.world; r++) {
+            if (r == t->base.rank) {
+                continue;
+            }
+            const char *s = (const char *)x->tail_send + (size_t)r * x->tail_count;
+            char *d = (char *)x->tail_recv + (size_t)r * x->tail_count;
+            MFSDP_CHECK(
+                check_in_group(t, t->api.Send(s, x->tail_count, ncclUint8, r, t->comm, STREAM(t)),
+                               "ncclSend (sharded tail)"));
+            MFSDP_CHECK(
+                check_in_group(t, t->api.Recv(d, x->tail_count, ncclUint8, r, t->comm, STREAM(t)),
+                               "ncclRecv (sharded tail)"));
+        }
+        return MFSDP_OK;
     }
     if (x->tail_recv != NULL) {
         return check_in_group(t,
@@ -349,13 +362,12 @@ static mfsdp_status_t post_tail(nccl_transport_t *t, const mfsdp_xfer_t *x)
         return MFSDP_ERR_INTERNAL;
     }
     if (gs->ntail > 0 && b->entries[gs->tail[0]].o_bytes == 0 && sum == b->bytes) {
+        const char *own = (const char *)x->ag_out + (size_t)t->base.rank * b->bytes;
         return check_in_group(
-            t,
-            t->api.AllGather(x->tail_send, x->ag_out, x->tail_count, ncclUint8, t->comm, STREAM(t)),
+            t, t->api.AllGather(own, x->ag_out, x->tail_count, ncclUint8, t->comm, STREAM(t)),
             "ncclAllGather (sharded tail)");
     }
     for (int r = 0; r < t->base.world; r++) {
-        size_t packed = 0;
         for (size_t k = 0; k < gs->ntail;) {
             size_t o = b->entries[gs->tail[k]].o_bytes;
             size_t len = b->entries[gs->tail[k]].s_bytes;
@@ -363,11 +375,9 @@ static mfsdp_status_t post_tail(nccl_transport_t *t, const mfsdp_xfer_t *x)
                 len += b->entries[gs->tail[k]].s_bytes;
             }
             char *dst = (char *)x->ag_out + (size_t)r * b->bytes + o;
-            const char *src = r == t->base.rank ? (const char *)x->tail_send + packed : dst;
             MFSDP_CHECK(
-                check_in_group(t, t->api.Broadcast(src, dst, len, ncclUint8, r, t->comm, STREAM(t)),
+                check_in_group(t, t->api.Broadcast(dst, dst, len, ncclUint8, r, t->comm, STREAM(t)),
                                "ncclBroadcast (sharded tail)"));
-            packed += len;
         }
     }
     return MFSDP_OK;

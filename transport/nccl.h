@@ -39,8 +39,6 @@ typedef struct mfsdp_nccl_api {
                               cudaStream_t);
     ncclResult_t (*AllGather)(const void *, void *, size_t, ncclDataType_t, ncclComm_t,
                               cudaStream_t);
-    ncclResult_t (*ReduceScatter)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t,
-                                  ncclComm_t, cudaStream_t);
     ncclResult_t (*CommCount)(const ncclComm_t, int *);
     ncclResult_t (*CommUserRank)(const ncclComm_t, int *);
     ncclResult_t (*CommCuDevice)(const ncclComm_t, int *);

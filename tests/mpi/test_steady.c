@@ -9,7 +9,9 @@
  * (the library is a static archive; the link wraps those symbols: -Wl,--wrap=malloc ...).
  * Open MPI's own allocations inside its calls are not counted (a shared library).
  * Every algorithm pair (direct, chain, native) with a sharded tail and owned tensors, bf16
- * and fp32 groups; 1..4 ranks.
+ * and fp32 groups; 1..4 ranks. The sharded tail's reduce sends FSDP's bytes (all-to-alls in
+ * the reduce dtype, counted through a PMPI wrapper) and gives bitwise the same slices under
+ * every algorithm pair and budget.
  *
  * Built a second time with -DTEST_TRANSPORT_NCCL (test_steady_nccl): the contexts run on a
  * communicator of the test NCCL library (host memory, the CPU executor), and the NCCL
@@ -19,8 +21,8 @@
  * Staging budget: the direct reduce under a budget of a few KiB (MFSDP_STAGING_BYTES, here
  * through the option) stages no more than the budget (the context's comm_staging_bytes),
  * cuts each tensor into many chunks (more point-to-point messages than under the default
- * 64 MiB) and the sharded tail into several reduce-scatter passes, and gives owners bitwise
- * the same gradients as the default budget (the tail slices within rounding). The chain
+ * 64 MiB) and the sharded tail into several all-to-all passes, and gives owners bitwise
+ * the same gradients as the default budget. The chain
  * pipelines and the native reduce under a budget below what they stage by default: their
  * chunks shrink to fit it (the native reduce then posts more MPI_Ireduce calls, in the same
  * order on every rank), the all-gathers and the chains' sums stay bitwise the same, the
@@ -45,7 +47,7 @@ static ncclComm_t g_ncomm;
 #include "tests/unit/manifest_util.h"
 
 static int g_counting;
-static long g_types, g_allocs, g_p2p, g_rsb, g_ired;
+static long g_types, g_allocs, g_p2p, g_a2a, g_a2a_bytes, g_ired;
 
 void *__real_malloc(size_t n);
 void *__real_calloc(size_t k, size_t n);
@@ -88,11 +90,18 @@ int MPI_Irecv(void *buf, int count, MPI_Datatype dt, int src, int tag, MPI_Comm 
     return PMPI_Irecv(buf, count, dt, src, tag, comm, req);
 }
 
-int MPI_Ireduce_scatter_block(const void *s, void *r, int count, MPI_Datatype dt, MPI_Op op,
-                              MPI_Comm comm, MPI_Request *req)
+/* The sharded tail's reduce: its all-to-alls and the bytes they send (all blocks). */
+int MPI_Ialltoall(const void *s, int scount, MPI_Datatype sdt, void *r, int rcount,
+                  MPI_Datatype rdt, MPI_Comm comm, MPI_Request *req)
 {
-    g_rsb += g_counting;
-    return PMPI_Ireduce_scatter_block(s, r, count, dt, op, comm, req);
+    if (g_counting) {
+        int size = 0, n = 0;
+        PMPI_Type_size(sdt, &size);
+        PMPI_Comm_size(comm, &n);
+        g_a2a++;
+        g_a2a_bytes += (long)scount * size * n;
+    }
+    return PMPI_Ialltoall(s, scount, sdt, r, rcount, rdt, comm, req);
 }
 
 int MPI_Ireduce(const void *s, void *r, int count, MPI_Datatype dt, MPI_Op op, int root,
@@ -162,7 +171,7 @@ static void manifest_free(mfsdp_manifest_t *m)
 
 /* One context's run: 4 iterations of (all-gather, reduce) of both groups on fixed inputs. */
 typedef struct run_out {
-    long types[4], allocs[4], p2p[4], rsb[4], ired[4];
+    long types[4], allocs[4], p2p[4], a2a[4], a2a_bytes[4], ired[4];
     float *slices; /* the sharded-tail slices' gradients, in manifest order */
     size_t nslices;
     size_t staging, budget;
@@ -228,7 +237,7 @@ static int run(const mfsdp_manifest_t *m, mfsdp_algo_t ga, mfsdp_algo_t ra, size
         mfsdp_group_layout_destroy(l);
     }
     for (int it = 0; it < 4; it++) {
-        g_types = g_allocs = g_p2p = g_rsb = g_ired = 0;
+        g_types = g_allocs = g_p2p = g_a2a = g_a2a_bytes = g_ired = 0;
         g_counting = 1;
         for (size_t g = 0; g < 2; g++) {
             CHECK_OK(mfsdp_ctx_allgather(ctx, g, ag_send[g], ag_recv[g], ag_count[g], ag_dt[g]));
@@ -239,7 +248,8 @@ static int run(const mfsdp_manifest_t *m, mfsdp_algo_t ga, mfsdp_algo_t ra, size
         out->types[it] = g_types;
         out->allocs[it] = g_allocs;
         out->p2p[it] = g_p2p;
-        out->rsb[it] = g_rsb;
+        out->a2a[it] = g_a2a;
+        out->a2a_bytes[it] = g_a2a_bytes;
         out->ired[it] = g_ired;
     }
     out->gathered = 1469598103934665603ull;
@@ -310,6 +320,43 @@ static void check_close(const float *got, const float *want, size_t n, const cha
     }
 }
 
+/* What FSDP's own reduce-scatter of the sharded tail (the 1-D params) sends per rank: every
+ * rank block of each slice, in the group's reduce dtype. */
+static long fsdp_tail_bytes(const mfsdp_manifest_t *m)
+{
+    long bytes = 0;
+    for (size_t g = 0; g < m->ngroups; g++) {
+        mfsdp_group_layout_t *l = NULL;
+        CHECK_OK(mfsdp_group_layout_create(&m->groups[g], g_world, &l));
+        for (size_t i = 0; l != NULL && i < m->groups[g].nparams; i++) {
+            if (m->groups[g].params[i].ndim == 1 && l->rs_entry[i] >= 0) {
+                bytes += (long)g_world * (long)l->rs.entries[l->rs_entry[i]].s *
+                         (long)mfsdp_dtype_size(l->rs.dtype);
+            }
+        }
+        mfsdp_group_layout_destroy(l);
+    }
+    return bytes;
+}
+
+/* The sharded tail of run r against the first run (def): bitwise the same slices (every rank
+ * sums its slices in rank order, whatever the algorithms or passes), and, where MPI's calls
+ * are counted, sent in FSDP's bytes per iteration (the reduce dtype, not fp32). */
+static void check_tail(const run_out_t *r, const run_out_t *def, long fsdp_bytes, int counted,
+                       const char *what)
+{
+    CHECK(r->nslices == def->nslices && r->nslices > 0 &&
+              memcmp(r->slices, def->slices, r->nslices * sizeof(float)) == 0,
+          "%s: sharded-tail slices differ from the first run's (%zu vs %zu elements)", what,
+          r->nslices, def->nslices);
+    for (int it = 0; counted && it < 4; it++) {
+        CHECK(r->a2a_bytes[it] == fsdp_bytes,
+              "%s, call %d: the sharded tail's all-to-alls sent %ld bytes, FSDP's reduce-scatter "
+              "%ld",
+              what, it + 1, r->a2a_bytes[it], fsdp_bytes);
+    }
+}
+
 /* Algorithms (ga, ra) at the default budget (*d) and under budget (*r): both runs steady,
  * the default staging above the budget and the small one within it. -1 (nothing to free)
  * when a run failed. */
@@ -351,6 +398,7 @@ int main(int argc, char **argv)
     static const mfsdp_algo_t algos[] = {MFSDP_ALGO_DIRECT, MFSDP_ALGO_CHAIN, MFSDP_ALGO_NATIVE};
     mfsdp_manifest_t *m = manifest();
     run_out_t def = {0};
+    const long tail_bytes = fsdp_tail_bytes(m);
     for (int ga = 0; ga < 3; ga++) {
         for (int ra = 0; ra < 3; ra++) {
             run_out_t r;
@@ -368,7 +416,9 @@ int main(int argc, char **argv)
             }
             if (ga == 0 && ra == 0) {
                 def = r;
-            } else {
+            }
+            check_tail(&r, &def, tail_bytes, counted, what);
+            if (ga != 0 || ra != 0) {
                 run_free(&r);
             }
         }
@@ -393,22 +443,19 @@ int main(int argc, char **argv)
               "3 KiB budget: owners' gradients differ from the default budget's (%zu vs %zu "
               "elements)",
               r.ngrads, def.ngrads);
-        /* The sharded tail went in several passes, and its sums match (MPI's reduce-scatter
-         * may sum in another order for another count: within rounding). */
-        CHECK(!counted || r.rsb[1] > def.rsb[1],
-              "3 KiB budget: %ld tail reduce-scatters per iteration, "
+        /* The sharded tail went in several passes, in FSDP's bytes, with bitwise the same
+         * sums. */
+        CHECK(!counted || r.a2a[1] > def.a2a[1],
+              "3 KiB budget: %ld tail all-to-alls per iteration, "
               "default %ld: the tail was not cut into passes",
-              r.rsb[1], def.rsb[1]);
-        CHECK(r.nslices == def.nslices && r.nslices > 0, "tail slices: %zu vs %zu elements",
-              r.nslices, def.nslices);
-        check_close(r.slices, def.slices, r.nslices < def.nslices ? r.nslices : def.nslices,
-                    "tail slices under the budget against the default budget's");
+              r.a2a[1], def.a2a[1]);
+        check_tail(&r, &def, tail_bytes, counted, "direct under a 3 KiB budget");
         if (g_rank == 0) {
             printf(
                 "test_steady: direct reduce, budget %zu: %zu staging bytes, %ld messages and %ld "
                 "tail passes per iteration; default budget: %zu bytes, %ld messages, %ld "
                 "passes\n",
-                small, r.staging, r.p2p[1], r.rsb[1], def.staging, def.p2p[1], def.rsb[1]);
+                small, r.staging, r.p2p[1], r.a2a[1], def.staging, def.p2p[1], def.a2a[1]);
         }
         run_free(&r);
     }
@@ -423,6 +470,7 @@ int main(int argc, char **argv)
                   (rc.ngrads == 0 || memcmp(rc.grads, dc.grads, rc.ngrads * sizeof(float)) == 0),
               "chain under the budget: owners' gradients differ (%zu vs %zu elements)", rc.ngrads,
               dc.ngrads);
+        check_tail(&rc, &def, tail_bytes, counted, "chain under a 1.5 KiB budget");
         if (g_rank == 0) {
             printf("test_steady: chain, budget %zu: %zu staging bytes; default budget: %zu\n",
                    tight, rc.staging, dc.staging);
@@ -450,6 +498,7 @@ int main(int argc, char **argv)
         /* and against the direct reduce's exact rank-order sums (the default run) */
         check_close(rn.grads, def.grads, rn.ngrads < def.ngrads ? rn.ngrads : def.ngrads,
                     "native reduce under the budget against the direct reduce");
+        check_tail(&rn, &def, tail_bytes, counted, "native reduce under a 1.5 KiB budget");
         if (g_rank == 0) {
             printf("test_steady: native reduce, budget %zu: %zu staging bytes, %ld reduces per "
                    "iteration; default budget: %zu bytes, %ld reduces\n",
