@@ -616,6 +616,7 @@ typedef struct coll_state {
     const char *manifest;
     int algo;             /* -1: every algorithm in turn */
     const char *tune_out; /* --tune-out: the algorithm table to write (NULL: none) */
+    int sharded;          /* --sharded: every segment a 1-D tensor of the sharded tail */
 } coll_state_t;
 
 #define COLL_USAGE                                                                                 \
@@ -629,17 +630,25 @@ typedef struct coll_state {
     "      --manifest FILE        segments: the params of the manifest's group with the most "     \
     "params\n"                                                                                     \
     "      --algo A               direct, chain, native, auto or all (default all, in turn)\n"     \
+    "      --sharded              every segment a 1-D (AdamW) tensor kept in FSDP's slices (tail " \
+    "policy shard): the sharded tail's all-gather / all-to-all and sum instead of owners\n"        \
     "      --tune-out FILE        write the fastest algorithm per size (in-place all-gather, "     \
     "reduce-scatter) as MFSDP_ALGO_TABLE rows for this collective and rank count (other rows "     \
     "of FILE are kept; needs --algo all)\n"                                                        \
     "  env MFSDP_PERF_CORRUPT=1   test only: flip one element of mfsdp's result (#wrong > 0)\n"
 
 static const struct option coll_long_opts[] = {
-    {"minbytes", required_argument, NULL, 'b'},   {"maxbytes", required_argument, NULL, 'e'},
-    {"stepfactor", required_argument, NULL, 'f'}, {"datatype", required_argument, NULL, 'd'},
-    {"op", required_argument, NULL, 'o'},         {"segments", required_argument, NULL, 'K'},
-    {"manifest", required_argument, NULL, 'M'},   {"algo", required_argument, NULL, 'A'},
-    {"tune-out", required_argument, NULL, 'T'},   {NULL, 0, NULL, 0},
+    {"minbytes", required_argument, NULL, 'b'},
+    {"maxbytes", required_argument, NULL, 'e'},
+    {"stepfactor", required_argument, NULL, 'f'},
+    {"datatype", required_argument, NULL, 'd'},
+    {"op", required_argument, NULL, 'o'},
+    {"segments", required_argument, NULL, 'K'},
+    {"manifest", required_argument, NULL, 'M'},
+    {"algo", required_argument, NULL, 'A'},
+    {"tune-out", required_argument, NULL, 'T'},
+    {"sharded", no_argument, NULL, 'S'},
+    {NULL, 0, NULL, 0},
 };
 
 static void coll_defaults(void *state)
@@ -653,6 +662,7 @@ static void coll_defaults(void *state)
     st->manifest = NULL;
     st->algo = -1;
     st->tune_out = NULL;
+    st->sharded = 0;
 }
 
 static void allgather_defaults(void *state)
@@ -713,6 +723,9 @@ static int coll_parse_opt(void *state, int opt, const char *arg)
     case 'T':
         st->tune_out = arg;
         return 0;
+    case 'S':
+        st->sharded = 1;
+        return 0;
     default:
         return -1;
     }
@@ -723,6 +736,7 @@ static int coll_parse_opt(void *state, int opt, const char *arg)
  * segment i at byte offset off[i] with c_i = rows_i / n rows per rank. */
 typedef struct coll_case {
     int reduce;
+    int sharded; /* segments are 1-D tensors of the sharded tail (rows x COLL_COLS elements) */
     mfsdp_dtype_t dt;
     size_t elt;
     int nseg;
@@ -783,7 +797,8 @@ static void bf16_sum(void *in, void *inout, int *len, MPI_Datatype *dt)
     }
 }
 
-/* The synthesized manifest of a case: one group "bench" of K Muon matrices. */
+/* The synthesized manifest of a case: one group "bench" of K Muon matrices, or, --sharded, of
+ * K vectors of as many elements (AdamW: the sharded tail under tail policy shard). */
 static char *coll_manifest_json(const coll_case_t *c)
 {
     const size_t cap = 256 + (size_t)c->nseg * 128;
@@ -796,6 +811,12 @@ static char *coll_manifest_json(const coll_case_t *c)
                                 "{\"format\": \"mfsdp-manifest/1\", \"groups\": [{\"name\": "
                                 "\"bench\", \"params\": [");
     for (int i = 0; i < c->nseg; i++) {
+        if (c->sharded) {
+            n += (size_t)snprintf(s + n, cap - n,
+                                  "%s{\"name\": \"seg%d\", \"shape\": [%lld], \"dtype\": \"%s\"}",
+                                  i ? ", " : "", i, (long long)c->rows[i] * COLL_COLS, dts);
+            continue;
+        }
         n += (size_t)snprintf(s + n, cap - n,
                               "%s{\"name\": \"seg%d\", \"shape\": [%lld, %d], \"dtype\": \"%s\"}",
                               i ? ", " : "", i, (long long)c->rows[i], COLL_COLS, dts);
@@ -974,14 +995,38 @@ static long coll_check(coll_case_t *c, const coll_op_t *op)
         }
         return wrong;
     }
-    if (!op->mfsdp) {
+    if (!op->mfsdp || c->sharded) {
+        /* Native, or the sharded tail: FSDP's output shard holds the sums (block g_rank). */
         const char *out = op->in_place ? c->recv2 : c->recv;
+        if (corrupt) {
+            put_elt(c->recv, c->dt, 0, get_elt(c->recv, c->dt, 0) + 1.0f);
+        }
         for (size_t e = 0; e < c->sel; e++) {
             float ref = 0.0f;
             for (size_t r = 0; r < n; r++) {
                 ref += fill_val((int)r, g_rank, e);
             }
             wrong += get_elt(out, c->dt, e) != ref;
+        }
+        /* ... and the context the fp32 gradients of this rank's slices: segment i's slice on
+         * rank g_rank is block g_rank's elements off[i] .. off[i] + c_i x COLL_COLS. */
+        for (int i = 0; op->mfsdp && i < c->nseg; i++) {
+            char name[32];
+            snprintf(name, sizeof(name), "seg%d", i);
+            mfsdp_param_view_t v;
+            const size_t len = (size_t)(c->rows[i] / g_world) * COLL_COLS;
+            if (mfsdp_ctx_get_param(c->ctx, name, &v) != MFSDP_OK ||
+                v.owner != MFSDP_OWNER_SHARDED || v.grad == NULL || v.local_elems != len) {
+                wrong += (long)len;
+                continue;
+            }
+            for (size_t k = 0; k < len; k++) {
+                float ref = 0.0f;
+                for (size_t r = 0; r < n; r++) {
+                    ref += fill_val((int)r, g_rank, c->off[i] + k);
+                }
+                wrong += v.grad[k] != ref;
+            }
         }
         return wrong;
     }
@@ -1059,7 +1104,7 @@ static int coll_setup(coll_case_t *c, mfsdp_algo_t algo)
         fprintf(stderr, "mfsdp-perf: synthesized manifest: %s %s\n", mfsdp_status_string(st), err);
         return -1;
     }
-    st = perf_ctx_create(m, MFSDP_TAIL_OWNER, algo, &c->ctx);
+    st = perf_ctx_create(m, c->sharded ? MFSDP_TAIL_SHARD : MFSDP_TAIL_OWNER, algo, &c->ctx);
     /* The context borrows the manifest: it lives until coll_teardown(). */
     if (st != MFSDP_OK) {
         fprintf(stderr, "mfsdp-perf: context: %s\n", mfsdp_status_string(st));
@@ -1229,6 +1274,7 @@ static int coll_run_all(const perf_opts_t *o, void *state)
     coll_case_t c;
     memset(&c, 0, sizeof(c));
     c.reduce = st->reduce;
+    c.sharded = st->sharded;
     c.dt = st->dtype;
     c.elt = mfsdp_dtype_size(c.dt);
     c.corrupt = corrupt_requested();
@@ -1244,6 +1290,13 @@ static int coll_run_all(const perf_opts_t *o, void *state)
     if (st->tune_out != NULL && st->algo >= 0) {
         if (g_rank == 0) {
             fprintf(stderr, "mfsdp-perf: --tune-out compares every algorithm: drop --algo\n");
+        }
+        return 2;
+    }
+    if (st->tune_out != NULL && st->sharded) {
+        if (g_rank == 0) {
+            fprintf(stderr, "mfsdp-perf: --tune-out measures the owners' algorithms: drop "
+                            "--sharded\n");
         }
         return 2;
     }
@@ -1271,10 +1324,12 @@ static int coll_run_all(const perf_opts_t *o, void *state)
                 st->reduce ? "MPI_Reduce_scatter_block" : "MPI_Allgather",
                 st->reduce ? "reduce-to-owner" : "owner-broadcast", g_world);
         fprintf(hdr,
-                "# %d segments [rows, %d] per buffer, rows a multiple of %d; size = bytes of the "
+                "# %d segments [rows, %d]%s per buffer, rows a multiple of %d; size = bytes of the "
                 "whole buffer (n blocks); time = median over %d run(s) of the slowest rank, "
                 "%d warm-up, interleaved; busbw = algbw * (n-1)/n; check %d\n",
-                c.nseg, COLL_COLS, g_world, o->iters, o->warmup, o->check);
+                c.nseg, COLL_COLS,
+                c.sharded ? " as 1-D tensors of the sharded tail (tail policy shard)" : "", g_world,
+                o->iters, o->warmup, o->check);
         fprintf(hdr,
                 "# ratio = mfsdp busbw / native busbw of the same run (out-of-place, "
                 "in-place); staging = the context's communication staging bytes per rank "
