@@ -166,9 +166,9 @@ static mfsdp_status_t reduce_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk
         cap = algo == MFSDP_ALGO_CHAIN ? ctx->chunk / sizeof(float) : cap;
     }
     size_t slack = (rings + 4) * MFSDP_ARENA_ALIGN; /* the rings' and the tail's 3 carves */
-    /* Tail bytes per element of a pass: the blocks sent (at least a float: the scratch of
-     * the output's cast) and received, and the fp32 sum (mfsdp_ctx_bind_reduce). */
-    size_t tail_per = (n * elt > sizeof(float) ? n * elt : sizeof(float)) + n * elt + sizeof(float);
+    /* Tail bytes per element of a pass: the blocks sent and received, and the fp32 sum
+     * (mfsdp_ctx_bind_reduce). */
+    size_t tail_per = 2 * n * elt + sizeof(float);
     size_t T = gs->tail_rs_elems;
     size_t room = ctx->budget > slack + per ? ctx->budget - slack - per : 0;
     size_t pass = T;

@@ -120,11 +120,11 @@ static mfsdp_status_t tail_sum(struct mfsdp_ctx *ctx, const mfsdp_tail_bufs_t *t
 }
 
 /* The reduced tail elements [a, b) (sum): into the slices' gradients and, as the value FSDP's
- * native collective would have produced in the reduce dtype, into the output shard (through
- * scratch, at least b - a floats). */
+ * native collective would have produced in the reduce dtype, into the output shard (sum is
+ * scaled in place for that once the gradients have it). */
 static mfsdp_status_t tail_apply(struct mfsdp_ctx *ctx, size_t group, const mfsdp_group_sched_t *gs,
                                  void *recvbuf, mfsdp_dtype_t dtype, mfsdp_redop_t op, double post,
-                                 size_t a, size_t b, const float *sum, float *scratch)
+                                 size_t a, size_t b, float *sum)
 {
     const mfsdp_buffer_layout_t *rs = &gs->layout->rs;
     size_t elt = mfsdp_dtype_size(dtype);
@@ -144,16 +144,15 @@ static mfsdp_status_t tail_apply(struct mfsdp_ctx *ctx, size_t group, const mfsd
             if (grad != NULL) { /* NULL under tail "job": the job keeps its own gradient */
                 MFSDP_CHECK(ctx->exec->ops->apply(ctx->exec, grad + (lo - t), sum, len, op, n));
             }
-            MFSDP_CHECK(ctx->exec->ops->copy(ctx->exec, scratch, sum, len * sizeof(float)));
             if (op == MFSDP_OP_AVG) {
-                MFSDP_CHECK(ctx->exec->ops->scale(ctx->exec, scratch, len, 1.0f / (float)n));
+                MFSDP_CHECK(ctx->exec->ops->scale(ctx->exec, sum, len, 1.0f / (float)n));
             }
             if (post != 1.0) {
-                MFSDP_CHECK(ctx->exec->ops->scale(ctx->exec, scratch, len, (float)post));
+                MFSDP_CHECK(ctx->exec->ops->scale(ctx->exec, sum, len, (float)post));
             }
             MFSDP_CHECK(ctx->exec->ops->cast(ctx->exec,
                                              (char *)recvbuf + pe->o_bytes + (lo - t) * elt, dtype,
-                                             scratch, MFSDP_FLOAT32, len));
+                                             sum, MFSDP_FLOAT32, len));
             sum += len;
         }
         t += (size_t)pe->s;
@@ -278,8 +277,7 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
         MFSDP_CHECK(ctx->tp->ops->run(ctx->tp, &x));
         if (T != 0) {
             MFSDP_CHECK(tail_sum(ctx, &tb, dtype, op, sc, b - a));
-            MFSDP_CHECK(tail_apply(ctx, group, gs, recvbuf, dtype, op, post, a, b, tb.sum,
-                                   (float *)tb.send));
+            MFSDP_CHECK(tail_apply(ctx, group, gs, recvbuf, dtype, op, post, a, b, tb.sum));
         }
         a = b;
     } while (a < T);

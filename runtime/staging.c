@@ -124,14 +124,12 @@ mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, const mfsd
     if (gs->tail_rs_elems != 0) {
         /* One pass's worth (the budget may cut the tail into passes) of packed rank-major
          * blocks in the reduce dtype, sent and received (an all-to-all), and their fp32
-         * sum. Once summed, the sent blocks are the scratch of the output's cast: at least
-         * one float per element. */
+         * sum. */
         size_t pass = gs->tail_rs_elems < gst->tail_pass ? gs->tail_rs_elems : gst->tail_pass;
         size_t blocks = mul_sat(&c, mul_sat(&c, pass, elt), n);
-        size_t scratch = mul_sat(&c, pass, sizeof(float));
-        tail->send = carve(&c, blocks > scratch ? blocks : scratch);
+        tail->send = carve(&c, blocks);
         tail->recv = carve(&c, blocks);
-        tail->sum = carve(&c, scratch);
+        tail->sum = carve(&c, mul_sat(&c, pass, sizeof(float)));
     }
     if (c.overflow) {
         return MFSDP_ERR_OVERFLOW;
