@@ -177,6 +177,8 @@ static mfsdp_status_t reduce_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk
         pass = pass != 0 ? pass : room / tail_per;
         pass = pass < T ? pass : T;
     }
+    /* A pass's block is one message per peer: at most MFSDP_SCHED_MAX_MSG bytes. */
+    pass = pass < MFSDP_SCHED_MAX_MSG / elt ? pass : MFSDP_SCHED_MAX_MSG / elt;
     size_t fixed = pass * tail_per + slack;
     size_t ce = per == 0 ? 1 : ctx->budget > fixed ? (ctx->budget - fixed) / per : 0;
     ce = ce < cap ? ce : cap;
