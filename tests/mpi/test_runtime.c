@@ -7,8 +7,9 @@
  *    weights (in place and out of place, before and after training);
  *  - reduce: each owner holds exactly the reduced full gradient (sum, avg, premulsum);
  *    direct and chain bitwise equal to a rank-ordered fp32 sum, bitwise reproducible over 5
- *    runs; native within rounding; the FSDP output shard zero for owner-managed bytes and
- *    the reduced slice for sharded-tail bytes;
+ *    runs; native within rounding; sharded-tail slices bitwise the rank-ordered fp32 sum
+ *    under every algorithm; the FSDP output shard zero for owner-managed bytes and the
+ *    reduced slice for sharded-tail bytes;
  *  - training: 20 optimizer steps through the API match a float64 single-process
  *    full-matrix Muon + AdamW reference (computed here from the summed gradients) within
  *    1e-5 relative, eager and lazy, with accumulation, clipping and per-group lr/wd;
