@@ -347,7 +347,8 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
     ctx->replicate = manifest->replicate > 1 ? manifest->replicate : 1;
     ctx->seen = calloc(ctx->plan->nshards + 1, 1);
     ctx->shard_steps = calloc(ctx->plan->nshards + 1, sizeof(*ctx->shard_steps));
-    if (ctx->seen == NULL || ctx->shard_steps == NULL) {
+    ctx->tail_src = calloc((size_t)ctx->world, sizeof(*ctx->tail_src));
+    if (ctx->seen == NULL || ctx->shard_steps == NULL || ctx->tail_src == NULL) {
         return MFSDP_ERR_NO_MEMORY;
     }
 
@@ -542,6 +543,7 @@ void mfsdp_ctx_free(struct mfsdp_ctx *ctx)
     free(ctx->groups);
     free(ctx->seen);
     free(ctx->shard_steps);
+    free(ctx->tail_src);
     if (ctx->hsdp_in != NULL) {
         ctx->exec->ops->mem_free(ctx->exec, ctx->hsdp_in);
     }

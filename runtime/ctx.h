@@ -78,9 +78,10 @@ struct mfsdp_ctx {
     int lr_factor_set; /* 1: lr_factor replaces the manifest's schedule */
     double lr_factor;  /* the job's lr / its initial lr (mfsdp_ctx_set_lr_factor) */
     /* per shard (plan->nshards) */
-    unsigned char *seen;  /* a gradient arrived in the current accumulation window */
-    int64_t *shard_steps; /* optimizer steps of this tensor (AdamW's t: torch counts per
-                             param, and skips a param without gradient) */
+    unsigned char *seen;   /* a gradient arrived in the current accumulation window */
+    int64_t *shard_steps;  /* optimizer steps of this tensor (AdamW's t: torch counts per
+                              param, and skips a param without gradient) */
+    const void **tail_src; /* world entries: the sharded-tail reduce's sources, per call */
     /* HSDP (manifest "replicate" > 1): a reduce lands in hsdp_in (GRAD's layout); the
      * replicate all-reduce sums it over the replicas into the gradients. */
     int replicate;

@@ -105,18 +105,18 @@ static mfsdp_status_t tail_pack(struct mfsdp_ctx *ctx, const mfsdp_group_sched_t
 }
 
 /* The fp32 sum of this rank's tail elements over every rank's contribution (count elements
- * per block), in rank order whatever the transport or the pass: the own block read where it
- * was packed, the others' where the all-to-all put them; the premul factor applied to each. */
+ * per block), in rank order whatever the transport or the pass, in one pass over the blocks:
+ * the own block read where it was packed, the others' where the all-to-all put them; the
+ * premul factor applied to each (an average is divided later, with the gradients). */
 static mfsdp_status_t tail_sum(struct mfsdp_ctx *ctx, const mfsdp_tail_bufs_t *tb,
                                mfsdp_dtype_t dtype, mfsdp_redop_t op, float sc, size_t count)
 {
     size_t blk = count * mfsdp_dtype_size(dtype);
     for (int r = 0; r < ctx->world; r++) {
-        const char *src = (const char *)(r == ctx->rank ? tb->send : tb->recv) + (size_t)r * blk;
-        MFSDP_CHECK(ctx->exec->ops->combine(ctx->exec, tb->sum, r == 0 ? NULL : tb->sum, src, dtype,
-                                            count, op, sc));
+        ctx->tail_src[r] = (const char *)(r == ctx->rank ? tb->send : tb->recv) + (size_t)r * blk;
     }
-    return MFSDP_OK;
+    return ctx->exec->ops->reduce_ordered(ctx->exec, tb->sum, ctx->tail_src, ctx->world, dtype,
+                                          count, op == MFSDP_OP_AVG ? MFSDP_OP_SUM : op, sc, 0);
 }
 
 /* The reduced tail elements [a, b) (sum): into the slices' gradients and, as the value FSDP's
