@@ -66,6 +66,12 @@ static inline int mfsdp_ranges_overlap(const void *a, size_t abytes, const void 
 /* 1 when dtype is a floating type the kernels convert (float32, bfloat16, float16). */
 int mfsdp_cpu_float_dtype(mfsdp_dtype_t dtype);
 
+/* The executor's combine (kernels/executor.h): pout[i] = (pin ? pin[i] + : ) x[i] (times
+ * scalar when premul), in fp32, element for element the same operations as a plain loop
+ * (bitwise) but vectorized in L1-sized blocks. pin is NULL, pout itself, or disjoint from it. */
+void mfsdp_cpu_combine(float *pout, const float *pin, const void *x, mfsdp_dtype_t dtype, size_t n,
+                       int premul, float scalar);
+
 /* Validate the optional comm-dtype copy of an update: w_comm == NULL, or a float dtype
  * whose n elements do not overlap the n fp32 master weights at w. */
 mfsdp_status_t mfsdp_cpu_check_comm(const float *w, const void *w_comm, mfsdp_dtype_t dtype,

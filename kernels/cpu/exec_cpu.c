@@ -4,19 +4,8 @@
 #include <string.h>
 
 #include "core/checks.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/executor.h"
-
-static inline float load(const void *x, mfsdp_dtype_t dtype, size_t i)
-{
-    switch (dtype) {
-    case MFSDP_BFLOAT16:
-        return mfsdp_bf16_to_f32(((const uint16_t *)x)[i]);
-    case MFSDP_FLOAT16:
-        return mfsdp_f16_to_f32(((const uint16_t *)x)[i]);
-    default:
-        return ((const float *)x)[i];
-    }
-}
 
 static mfsdp_status_t cpu_set_stream(mfsdp_exec_t *e, void *stream)
 {
@@ -95,14 +84,8 @@ static mfsdp_status_t cpu_combine(mfsdp_exec_t *e, float *pout, const float *pin
     (void)e;
     MFSDP_CHECK_ARG(pout != NULL && (x != NULL || n == 0));
     MFSDP_CHECK_ARG(dtype == MFSDP_FLOAT32 || dtype == MFSDP_BFLOAT16 || dtype == MFSDP_FLOAT16);
-    int premul = op == MFSDP_OP_PREMULSUM;
-    for (size_t i = 0; i < n; i++) {
-        float v = load(x, dtype, i);
-        if (premul) {
-            v = v * scalar;
-        }
-        pout[i] = pin != NULL ? pin[i] + v : v;
-    }
+    MFSDP_CHECK_ARG(pin == NULL || pin == pout || pin + n <= pout || pout + n <= pin);
+    mfsdp_cpu_combine(pout, pin, x, dtype, n, op == MFSDP_OP_PREMULSUM, scalar);
     return MFSDP_OK;
 }
 

@@ -88,6 +88,48 @@ reduce_block(float *o, const void *const *src, int nsrc, mfsdp_dtype_t dtype, si
     }
 }
 
+/* pout = pin + x (disjoint arrays), one block: restrict lets the loop vectorize. */
+static inline __attribute__((always_inline)) void
+add_block(float *restrict o, const float *restrict p, const float *restrict a, size_t len)
+{
+    for (size_t j = 0; j < len; j++) {
+        o[j] = p[j] + a[j];
+    }
+}
+
+/* One block of combine: the contribution widened (times scalar) through the L1 accumulator,
+ * then stored, added in place, or added to pin. */
+static inline __attribute__((always_inline)) void combine_block(float *pout, const float *pin,
+                                                                const void *x, mfsdp_dtype_t dtype,
+                                                                size_t off, size_t len, int premul,
+                                                                float scalar)
+{
+    float acc[REDUCE_BLOCK];
+    accum_block(acc, x, dtype, off, len, 1, premul, scalar);
+    float *o = pout + off;
+    if (pin == NULL) {
+        memcpy(o, acc, len * sizeof(float));
+    } else if (pin == pout) {
+        for (size_t j = 0; j < len; j++) {
+            o[j] = o[j] + acc[j];
+        }
+    } else {
+        add_block(o, pin + off, acc, len);
+    }
+}
+
+void mfsdp_cpu_combine(float *pout, const float *pin, const void *x, mfsdp_dtype_t dtype, size_t n,
+                       int premul, float scalar)
+{
+    for (size_t i0 = 0; i0 < n; i0 += REDUCE_BLOCK) {
+        if (n - i0 >= REDUCE_BLOCK) {
+            combine_block(pout, pin, x, dtype, i0, REDUCE_BLOCK, premul, scalar);
+        } else {
+            combine_block(pout, pin, x, dtype, i0, n - i0, premul, scalar);
+        }
+    }
+}
+
 mfsdp_status_t mfsdp_cpu_reduce_ordered(float *out, const void *const *src, int nsrc,
                                         mfsdp_dtype_t src_dtype, size_t n, mfsdp_redop_t op,
                                         float scalar, int accumulate)
