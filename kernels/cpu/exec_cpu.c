@@ -84,7 +84,8 @@ static mfsdp_status_t cpu_combine(mfsdp_exec_t *e, float *pout, const float *pin
     (void)e;
     MFSDP_CHECK_ARG(pout != NULL && (x != NULL || n == 0));
     MFSDP_CHECK_ARG(dtype == MFSDP_FLOAT32 || dtype == MFSDP_BFLOAT16 || dtype == MFSDP_FLOAT16);
-    MFSDP_CHECK_ARG(pin == NULL || pin == pout || pin + n <= pout || pout + n <= pin);
+    MFSDP_CHECK_ARG(pin == NULL || pin == pout ||
+                    !mfsdp_ranges_overlap(pin, n * sizeof(float), pout, n * sizeof(float)));
     mfsdp_cpu_combine(pout, pin, x, dtype, n, op == MFSDP_OP_PREMULSUM, scalar);
     return MFSDP_OK;
 }
