@@ -175,8 +175,7 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
     }
 
     size_t need;
-    mfsdp_tail_bufs_t tb = {0};
-    MFSDP_CHECK(mfsdp_ctx_bind_gather(ctx, group, ctx->stage, &need, &tb));
+    MFSDP_CHECK(mfsdp_ctx_bind_gather(ctx, group, ctx->stage, &need));
     /* The own sharded-tail slices go straight to their place in FSDP's output (rank block
      * rank), from which the tail collective sends them in place: no staging. */
     for (size_t k = 0; k < gs->ntail; k++) {

@@ -363,7 +363,7 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
     for (size_t g = 0; g < ng; g++) {
         size_t need_ag, need_rs;
         mfsdp_tail_bufs_t tb;
-        MFSDP_CHECK(mfsdp_ctx_bind_gather(ctx, g, NULL, &need_ag, &tb));
+        MFSDP_CHECK(mfsdp_ctx_bind_gather(ctx, g, NULL, &need_ag));
         MFSDP_CHECK(mfsdp_ctx_bind_reduce(ctx, g, ctx->groups[g].gs, NULL, &need_rs, &tb));
         stage = need_ag > stage ? need_ag : stage;
         stage = need_rs > stage ? need_rs : stage;

@@ -154,8 +154,9 @@ mfsdp_status_t mfsdp_ctx_check(const struct mfsdp_ctx *ctx);
 /* MFSDP_ERR_INVALID_ARG (logged, naming what) for a group index out of range. */
 mfsdp_status_t mfsdp_ctx_group_check(const struct mfsdp_ctx *ctx, size_t group, const char *what);
 
-/* The packed sharded tail of one call. Reduce: send and recv hold world blocks of one pass
- * in the reduce dtype (the contributions sent, those received), sum its fp32 sum. */
+/* The packed sharded tail of one reduce: send and recv hold world blocks of one pass in the
+ * reduce dtype (the contributions sent, those received), sum its fp32 sum. (The all-gather
+ * gathers the tail in place and stages none.) */
 typedef struct mfsdp_tail_bufs {
     void *send;
     void *recv;
@@ -164,8 +165,7 @@ typedef struct mfsdp_tail_bufs {
 
 /* Bind the staging buffers of group g's all-gather / reduce (under schedule gs: the group's or
  * one of its subset variants) at base (NULL: only size them into *need_p). */
-mfsdp_status_t mfsdp_ctx_bind_gather(struct mfsdp_ctx *ctx, size_t g, char *base, size_t *need_p,
-                                     mfsdp_tail_bufs_t *tail);
+mfsdp_status_t mfsdp_ctx_bind_gather(struct mfsdp_ctx *ctx, size_t g, char *base, size_t *need_p);
 mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, const mfsdp_group_sched_t *gs,
                                      char *base, size_t *need_p, mfsdp_tail_bufs_t *tail);
 

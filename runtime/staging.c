@@ -40,8 +40,7 @@ static size_t mul_sat(carver_t *c, size_t a, size_t b)
     return r;
 }
 
-mfsdp_status_t mfsdp_ctx_bind_gather(struct mfsdp_ctx *ctx, size_t g, char *base, size_t *need_p,
-                                     mfsdp_tail_bufs_t *tail)
+mfsdp_status_t mfsdp_ctx_bind_gather(struct mfsdp_ctx *ctx, size_t g, char *base, size_t *need_p)
 {
     mfsdp_group_state_t *gst = &ctx->groups[g];
     const mfsdp_group_sched_t *gs = gst->gs;
@@ -59,8 +58,6 @@ mfsdp_status_t mfsdp_ctx_bind_gather(struct mfsdp_ctx *ctx, size_t g, char *base
     }
     /* The sharded tail needs none: the own slices are copied to their place in FSDP's output
      * and gathered there in place. */
-    tail->send = tail->recv = NULL;
-    tail->sum = NULL;
     if (c.overflow) {
         return MFSDP_ERR_OVERFLOW;
     }
