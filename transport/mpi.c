@@ -223,19 +223,20 @@ static mfsdp_status_t post_tail(engine_t *e, MPI_Request *req)
 {
     const mfsdp_xfer_t *x = e->x;
     int gather = x->dir == MFSDP_SCHED_DIR_GATHER;
-    if (x->tail_count > INT_MAX || (x->tail_recv != NULL && x->tail_send == NULL) ||
-        (!gather && x->tail_recv == NULL) ||
-        (gather && x->tail_recv == NULL && x->ag_out == NULL)) {
-        MFSDP_WARN("sharded tail of %zu bytes per rank: missing buffers or above INT_MAX",
-                   x->tail_count);
+    if (x->tail_count > INT_MAX) {
+        MFSDP_WARN("sharded tail of %zu bytes per rank: above INT_MAX", x->tail_count);
         return MFSDP_ERR_UNSUPPORTED;
+    }
+    if (gather ? x->ag_out == NULL || x->tail_send != NULL || x->tail_recv != NULL
+               : x->tail_send == NULL || x->tail_recv == NULL) {
+        MFSDP_WARN("sharded tail of group %zu: the %s needs %s", x->gs->group,
+                   gather ? "all-gather" : "reduce",
+                   gather ? "FSDP's output and no staging" : "send and receive staging");
+        return MFSDP_ERR_INTERNAL;
     }
     int cnt = (int)x->tail_count;
     int rc;
-    if (gather && x->tail_recv != NULL) {
-        rc = MPI_Iallgather(x->tail_send, cnt, MPI_BYTE, x->tail_recv, cnt, MPI_BYTE, e->t->comm,
-                            req);
-    } else if (!gather) {
+    if (!gather) {
         /* The contributions in FSDP's reduce dtype; the caller sums them in rank order. */
         rc = MPI_Ialltoall(x->tail_send, cnt, MPI_BYTE, x->tail_recv, cnt, MPI_BYTE, e->t->comm,
                            req);

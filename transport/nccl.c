@@ -311,15 +311,17 @@ static int in_a_wave(const mfsdp_sched_op_t *op)
 
 /* The sharded tail of a group. Reduce: an all-to-all of the packed blocks in the reduce
  * dtype (ncclSend / ncclRecv with every other rank).
- * Gather: one ncclAllGather into staging (tail_recv), or, in place in FSDP's output
- * (tail_recv NULL: this rank's pieces are in its block), one broadcast per rank and
- * contiguous run of tail pieces in a rank block (an all-gather when the tail is the whole
- * block). */
+ * Gather, in place in FSDP's output (this rank's pieces are in its block): one broadcast
+ * per rank and contiguous run of tail pieces in a rank block (an all-gather when the tail is
+ * the whole block). */
 static mfsdp_status_t post_tail(nccl_transport_t *t, const mfsdp_xfer_t *x)
 {
     int gather = x->dir == MFSDP_SCHED_DIR_GATHER;
-    if ((x->tail_recv != NULL && x->tail_send == NULL) || (!gather && x->tail_recv == NULL)) {
-        MFSDP_WARN("sharded tail of group %zu: no staging buffer bound", x->gs->group);
+    if (gather ? x->ag_out == NULL || x->tail_send != NULL || x->tail_recv != NULL
+               : x->tail_send == NULL || x->tail_recv == NULL) {
+        MFSDP_WARN("sharded tail of group %zu: the %s needs %s", x->gs->group,
+                   gather ? "all-gather" : "reduce",
+                   gather ? "FSDP's output and no staging" : "send and receive staging");
         return MFSDP_ERR_INTERNAL;
     }
     if (!gather) {
@@ -340,18 +342,8 @@ static mfsdp_status_t post_tail(nccl_transport_t *t, const mfsdp_xfer_t *x)
         }
         return MFSDP_OK;
     }
-    if (x->tail_recv != NULL) {
-        return check_in_group(t,
-                              t->api.AllGather(x->tail_send, x->tail_recv, x->tail_count, ncclUint8,
-                                               t->comm, STREAM(t)),
-                              "ncclAllGather (sharded tail)");
-    }
     const mfsdp_group_sched_t *gs = x->gs;
     const mfsdp_buffer_layout_t *b = &gs->layout->ag;
-    if (x->ag_out == NULL) {
-        MFSDP_WARN("sharded tail of group %zu: no all-gather output", gs->group);
-        return MFSDP_ERR_INTERNAL;
-    }
     size_t sum = 0;
     for (size_t k = 0; k < gs->ntail; k++) {
         sum += b->entries[gs->tail[k]].s_bytes;

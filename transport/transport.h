@@ -53,10 +53,9 @@ typedef struct mfsdp_xfer {
     /* gather: FSDP's all-gather output; direct/native receive non-owned tensors straight
      * into it (segments whose bufs.stage is NULL) */
     void *ag_out;
-    /* The packed sharded tail (TAIL op). Gather: send tail_count bytes (own slices) and
-     * receive world blocks of tail_count bytes into tail_recv, or, when it is NULL, gather
-     * in place in the tail pieces of ag_out (this rank's already in its rank block;
-     * tail_send unused). Reduce (an all-to-all: every rank sums its own slices'
+    /* The sharded tail (TAIL op). Gather: tail_count bytes per rank, gathered in place in
+     * the tail pieces of ag_out (this rank's already in its rank block); tail_send and
+     * tail_recv must be NULL. Reduce (an all-to-all: every rank sums its own slices'
      * contributions itself, in rank order): send world blocks of tail_count bytes (block r
      * for rank r) and receive world blocks of tail_count bytes into tail_recv (block r from
      * rank r; block rank, the caller's own, may be left unwritten). */

@@ -9,9 +9,12 @@
  *    the stream of set_stream handed to every NCCL call;
  *  - op lists wave by wave on messages far above MPI's eager limit (64 KiB chunks, two
  *    owners of multi-window tensors: the case in which waves by dependency depth deadlock):
- *    the all-gather byte-exact in FSDP's layout (in place and staged, tails as broadcasts and
- *    as one all-gather), the reduce bitwise the rank-ordered fp32 sum (direct, chain) and
- *    within rounding (native), the tail's all-to-all byte-exact, for every algorithm;
+ *    the all-gather byte-exact in FSDP's layout (in place and staged receives, the tail in
+ *    place as broadcasts and as one all-gather), the reduce bitwise the rank-ordered fp32 sum
+ * (direct, chain) and within rounding (native), the tail's all-to-all byte-exact, for every
+ * algorithm;
+ *  - the sharded tail's buffers (gathered in place, no staging; the reduce's two staging
+ *    blocks) refused alike by this transport and the MPI one;
  *  - errors: a failing call named with NCCL's text (MFSDP_ERR_TRANSPORT), a failing group
  *    end, an asynchronous error, calls in progress on a non-blocking communicator polled to
  *    completion, a call that never completes (timeout), a broken op list refused before any
@@ -32,6 +35,7 @@
 #include "core/schedule.h"
 #include "kernels/executor.h"
 #include "mfsdp/kernels.h"
+#include "transport/mpi.h"
 #include "transport/nccl.h"
 
 #include "tests/lib/mpi_check.h"
@@ -317,6 +321,8 @@ static void manifest_free(mfsdp_manifest_t *m)
     free(m);
 }
 
+static void test_tail_buffers(mfsdp_transport_t *t, mfsdp_exec_t *e, const char *name);
+
 /* One op list through the transport and its result against the expected bytes or sums. */
 static void run_case(mfsdp_transport_t *t, mfsdp_exec_t *e, int tail_only, int tail_shard,
                      mfsdp_algo_t algo, int dir, int staged)
@@ -358,22 +364,12 @@ static void run_case(mfsdp_transport_t *t, mfsdp_exec_t *e, int tail_only, int t
                 bufs[i].stage = owned[i] = calloc(1, s->ag_bytes);
             }
         }
-        if (gs->tail_ag_bytes != 0) {
-            /* Staged: the own slices packed in tail_send; in place: in this rank's block of
-             * ag_out (tail_send unused). */
-            tail_send = staged ? malloc(gs->tail_ag_bytes) : NULL;
-            size_t off = 0;
-            for (size_t k = 0; k < gs->ntail; k++) {
-                const mfsdp_param_layout_t *pe = &ag->entries[gs->tail[k]];
-                char *dst =
-                    staged ? tail_send + off : ag_out + (size_t)g_rank * ag->bytes + pe->o_bytes;
-                for (size_t b = 0; b < pe->s_bytes; b++) {
-                    dst[b] = (char)weight_byte(gs->tail[k], (size_t)g_rank * 1000 + b);
-                }
-                off += pe->s_bytes;
-            }
-            if (staged) {
-                tail_recv = malloc(gs->tail_ag_bytes * (size_t)n);
+        /* The own tail slices in this rank's block of ag_out: the tail is gathered in place. */
+        for (size_t k = 0; k < gs->ntail; k++) {
+            const mfsdp_param_layout_t *pe = &ag->entries[gs->tail[k]];
+            char *dst = ag_out + (size_t)g_rank * ag->bytes + pe->o_bytes;
+            for (size_t b = 0; b < pe->s_bytes; b++) {
+                dst[b] = (char)weight_byte(gs->tail[k], (size_t)g_rank * 1000 + b);
             }
         }
         x.tail_count = gs->tail_ag_bytes;
@@ -464,18 +460,14 @@ static void run_case(mfsdp_transport_t *t, mfsdp_exec_t *e, int tail_only, int t
                 }
             }
         }
-        for (int r = 0; r < n && gs->tail_ag_bytes != 0; r++) {
-            size_t off = 0;
+        for (int r = 0; r < n; r++) {
             for (size_t k = 0; k < gs->ntail; k++) {
                 const mfsdp_param_layout_t *pe = &ag->entries[gs->tail[k]];
                 for (size_t b = 0; b < pe->s_bytes; b++) {
                     char want = (char)weight_byte(gs->tail[k], (size_t)r * 1000 + b);
-                    char got = staged ? tail_recv[(size_t)r * gs->tail_ag_bytes + off + b]
-                                      : ag_out[(size_t)r * ag->bytes + pe->o_bytes + b];
-                    bad += got != want;
+                    bad += ag_out[(size_t)r * ag->bytes + pe->o_bytes + b] != want;
                     checked++;
                 }
-                off += pe->s_bytes;
             }
         }
     } else {
@@ -566,7 +558,7 @@ static void test_op_lists(ncclComm_t comm)
                 run_case(t, e, 0, tail, algos[a], dir, 0);
             }
             if (dir == MFSDP_SCHED_DIR_GATHER) {
-                run_case(t, e, 0, 1, algos[a], dir, 1); /* staged receives and tail */
+                run_case(t, e, 0, 1, algos[a], dir, 1); /* staged receives */
             }
             run_case(t, e, 1, 1, algos[a], dir, 0); /* the tail is the whole block */
         }
@@ -606,11 +598,74 @@ static void test_op_lists(ncclComm_t comm)
     capture_begin();
     st = t->ops->run(t, &x);
     expect(st, MFSDP_ERR_INTERNAL, capture_end(), "segment 99", "segment out of range");
+    test_tail_buffers(t, e, "nccl");
+    mfsdp_transport_t *mt = NULL;
+    CHECK_OK(mfsdp_transport_mpi_create(MPI_COMM_WORLD, &mt));
+    if (mt != NULL) {
+        test_tail_buffers(mt, e, "mpi");
+        mt->ops->destroy(mt);
+    }
     mfsdp_group_sched_destroy(gs);
     mfsdp_plan_destroy(plan);
     manifest_free(m);
     e->ops->destroy(e);
     t->ops->destroy(t);
+}
+
+/* The sharded tail's buffers, checked by both transports before anything is posted: the
+ * all-gather runs in place in FSDP's output (staging for it is refused), the reduce's
+ * all-to-all needs both staging blocks. */
+static void test_tail_buffers(mfsdp_transport_t *t, mfsdp_exec_t *e, const char *name)
+{
+    mfsdp_manifest_t *m = manifest(0);
+    mfsdp_plan_t *plan = NULL;
+    mfsdp_group_sched_t *gs = NULL;
+    mfsdp_sched_ops_t ops = {0};
+    mfsdp_plan_opts_t po = {.tail = MFSDP_TAIL_SHARD};
+    CHECK_OK(mfsdp_plan_create(m, g_world, &po, &plan));
+    CHECK_OK(mfsdp_group_sched_create(plan, 0, &gs));
+    CHECK_OK(mfsdp_sched_build_tail(&ops));
+    mfsdp_xfer_bufs_t *bufs = calloc(gs->nsegs + 1, sizeof(*bufs));
+    size_t bytes = gs->layout->ag.bytes * (size_t)g_world + gs->tail_rs_elems * 4 * g_world + 8;
+    char *a = calloc(1, bytes), *b = calloc(1, bytes);
+    char what[96];
+    static const struct {
+        int gather, out, send, recv;
+        const char *needle;
+    } cases[] = {
+        {1, 1, 0, 1, "the all-gather needs FSDP's output and no staging"},
+        {1, 1, 1, 0, "the all-gather needs FSDP's output and no staging"},
+        {1, 0, 0, 0, "the all-gather needs FSDP's output and no staging"},
+        {0, 0, 1, 0, "the reduce needs send and receive staging"},
+        {0, 0, 0, 1, "the reduce needs send and receive staging"},
+    };
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+        mfsdp_xfer_t x = {
+            .exec = e,
+            .dir = cases[k].gather ? MFSDP_SCHED_DIR_GATHER : MFSDP_SCHED_DIR_REDUCE,
+            .gs = gs,
+            .ops = &ops,
+            .bufs = bufs,
+            .dtype = MFSDP_FLOAT32,
+            .op = MFSDP_OP_SUM,
+            .scalar = 1.0f,
+            .ag_out = cases[k].out ? a : NULL,
+            .tail_send = cases[k].send ? b : NULL,
+            .tail_recv = cases[k].recv ? b : NULL,
+            .tail_count = cases[k].gather ? gs->tail_ag_bytes : gs->tail_rs_elems * 4,
+        };
+        snprintf(what, sizeof(what), "%s: tail buffers, case %zu", name, k);
+        capture_begin();
+        mfsdp_status_t st = t->ops->run(t, &x);
+        expect(st, MFSDP_ERR_INTERNAL, capture_end(), cases[k].needle, what);
+    }
+    free(a);
+    free(b);
+    free(bufs);
+    mfsdp_sched_ops_free(&ops);
+    mfsdp_group_sched_destroy(gs);
+    mfsdp_plan_destroy(plan);
+    manifest_free(m);
 }
 
 /* ---------------------------------------------------------------------------------------
