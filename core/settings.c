@@ -460,7 +460,7 @@ mfsdp_status_t mfsdp_settings_agree(const mfsdp_fp_item_t *items, size_t n,
         }
         shown++;
     }
-    SETERR("%s; every rank must run with the same MFSDP_* settings and manifest", msg);
+    SETERR("%s" MFSDP_AGREE_HINT, msg);
     free(done);
     free(all);
     free(mine);

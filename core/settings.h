@@ -104,8 +104,10 @@ typedef struct mfsdp_agree_ops {
  * items). MFSDP_OK when every rank has the same value of every item; MFSDP_ERR_MISMATCH with a
  * one-line message, identical on every rank, naming the first item that differs and the value
  * on each distinct rank group ("MFSDP_TAIL differs across ranks: 'auto' on ranks 0-2, 'owner'
- * on rank 3"); MFSDP_ERR_TRANSPORT when the exchange itself fails.
+ * on rank 3", followed by MFSDP_AGREE_HINT); MFSDP_ERR_TRANSPORT when the exchange itself
+ * fails.
  */
+#define MFSDP_AGREE_HINT "; every rank must run with the same MFSDP_* settings and manifest"
 mfsdp_status_t mfsdp_settings_agree(const mfsdp_fp_item_t *items, size_t n,
                                     const mfsdp_agree_ops_t *ops, char *err, size_t errlen);
 

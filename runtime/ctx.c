@@ -471,18 +471,71 @@ mfsdp_status_t mfsdp_ctx_agree(mfsdp_transport_t *tp, const mfsdp_manifest_t *ma
     return st;
 }
 
-/* What this rank resolved for the wire: per group, the algorithms and the chunks the schedules
- * were cut with (all pure functions of agreed inputs, unless a table changed under the job). */
+/* What this rank resolved for the wire for group g: its algorithms and the chunks its
+ * schedules were cut with (pure functions of agreed inputs, unless a table changed under the
+ * job). */
+static uint64_t group_wire_hash(const struct mfsdp_ctx *ctx, size_t g)
+{
+    const mfsdp_group_state_t *gst = &ctx->groups[g];
+    const uint64_t v[4] = {(uint64_t)gst->gather_algo, (uint64_t)gst->reduce_algo,
+                           (uint64_t)gst->ag_chunk, (uint64_t)gst->rs_chunk};
+    return mfsdp_hash_bytes(MFSDP_HASH_INIT, v, sizeof(v));
+}
+
 static uint64_t wire_hash(const struct mfsdp_ctx *ctx)
 {
     uint64_t h = MFSDP_HASH_INIT;
     for (size_t g = 0; g < ctx->manifest->ngroups; g++) {
-        const mfsdp_group_state_t *gst = &ctx->groups[g];
-        const uint64_t v[4] = {(uint64_t)gst->gather_algo, (uint64_t)gst->reduce_algo,
-                               (uint64_t)gst->ag_chunk, (uint64_t)gst->rs_chunk};
-        h = mfsdp_hash_bytes(h, v, sizeof(v));
+        uint64_t v = group_wire_hash(ctx, g);
+        h = mfsdp_hash_bytes(h, &v, sizeof(v));
     }
     return h;
+}
+
+/* The ranks resolved different wire set-ups (every rank is here): name the first group that
+ * differs and what each rank resolved for it, in one message identical on every rank. */
+static mfsdp_status_t wire_mismatch(struct mfsdp_ctx *ctx)
+{
+    size_t ng = ctx->manifest->ngroups;
+    size_t g = ng;
+    /* In batches on the stack: every rank makes the same calls (ng is agreed), none can fail
+     * alone for want of memory. */
+    for (size_t b = 0; b < ng && g == ng; b += 64) {
+        uint64_t lo[64], hi[64];
+        size_t k = ng - b < 64 ? ng - b : 64;
+        for (size_t j = 0; j < k; j++) {
+            lo[j] = hi[j] = group_wire_hash(ctx, b + j);
+        }
+        if (ctx->tp->ops->allreduce_u64(ctx->tp, lo, k, 0) != MFSDP_OK ||
+            ctx->tp->ops->allreduce_u64(ctx->tp, hi, k, 1) != MFSDP_OK) {
+            break; /* the message names no group */
+        }
+        for (size_t j = 0; j < k && g == ng; j++) {
+            g = lo[j] != hi[j] ? b + j : ng;
+        }
+    }
+    char err[1024] = "";
+    if (g < ng) {
+        const mfsdp_group_state_t *gst = &ctx->groups[g];
+        char v[96];
+        snprintf(v, sizeof(v), "ag %s %zu, rs %s %zu", mfsdp_algo_name(gst->gather_algo),
+                 gst->ag_chunk, mfsdp_algo_name(gst->reduce_algo), gst->rs_chunk);
+        mfsdp_fp_item_t it;
+        mfsdp_fp_item_set(&it, "the algorithms and chunks (all-gather, reduce) resolved", v);
+        mfsdp_agree_ops_t ops = {agree_u64, agree_gather, ctx->tp, ctx->tp->rank, ctx->tp->world};
+        (void)mfsdp_settings_agree(&it, 1, &ops, err, sizeof(err));
+        char *hint = strstr(err, MFSDP_AGREE_HINT); /* the settings did agree: not that hint */
+        if (hint != NULL) {
+            *hint = '\0';
+        }
+    }
+    MFSDP_WARN("context creation: the ranks resolved different collective algorithms or chunks "
+               "for the same groups, although their settings agreed%s%s%s%s; was "
+               "MFSDP_ALGO_TABLE rewritten while the job started? (MFSDP_DEBUG=INFO "
+               "MFSDP_DEBUG_SUBSYS=RUNTIME logs each group's choice)",
+               g < ng ? ": group " : "", g < ng ? ctx->manifest->groups[g].name : "",
+               g < ng ? ": " : "", err);
+    return MFSDP_ERR_MISMATCH;
 }
 
 mfsdp_status_t mfsdp_ctx_agree_setup(struct mfsdp_ctx *ctx, mfsdp_status_t st)
@@ -505,15 +558,7 @@ mfsdp_status_t mfsdp_ctx_agree_setup(struct mfsdp_ctx *ctx, mfsdp_status_t st)
         }
         return st;
     }
-    if (lo != hi[1]) {
-        MFSDP_WARN("context creation: the ranks resolved different collective algorithms or "
-                   "chunks for the same groups, although their settings agreed; this rank: "
-                   "all-gather %s, reduce %s (MFSDP_DEBUG=INFO MFSDP_DEBUG_SUBSYS=RUNTIME logs "
-                   "each group's); was MFSDP_ALGO_TABLE rewritten while the job started?",
-                   mfsdp_algo_name(ctx->gather_algo), mfsdp_algo_name(ctx->reduce_algo));
-        return MFSDP_ERR_MISMATCH;
-    }
-    return MFSDP_OK;
+    return lo != hi[1] ? wire_mismatch(ctx) : MFSDP_OK;
 }
 
 void mfsdp_ctx_free(struct mfsdp_ctx *ctx)

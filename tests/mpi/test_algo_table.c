@@ -221,8 +221,22 @@ int main(int argc, char **argv)
               "message: %s", log);
     } else if (rewritten) {
         CHECK(st == MFSDP_ERR_MISMATCH, "rewritten: %s", mfsdp_status_string(st));
-        CHECK(strstr(log, "differs across ranks") == NULL, "the rows agreed: %s", log);
+        CHECK(strstr(log, "MFSDP_ALGO_TABLE (its rows) differs") == NULL, "the rows agreed: %s",
+              log);
         CHECK(strstr(log, "resolved different collective algorithms") != NULL, "message: %s", log);
+        /* the first group that differs and what each rank resolved for it */
+        char others[64], last_rank[160];
+        snprintf(others, sizeof(others), "' on rank%s, ",
+                 g_world > 2 ? "s 0-1" : " 0"); /* up to 3 ranks in the meson cases */
+        snprintf(last_rank, sizeof(last_rank),
+                 "'ag native 1048576, rs chain 1048576' on rank %d; was MFSDP_ALGO_TABLE "
+                 "rewritten",
+                 g_world - 1);
+        const char *d = strstr(log, "group small: the algorithms and chunks (all-gather, reduce) "
+                                    "resolved differs across ranks: 'ag chain 1048576, rs direct ");
+        CHECK(d != NULL && strstr(d, others) != NULL && strstr(d, last_rank) != NULL &&
+                  strstr(log, "every rank must run") == NULL,
+              "per-rank detail: %s", log);
         CHECK(!last || g_table_opens == 2, "the table was opened %d times, expected 2",
               g_table_opens);
     } else {
