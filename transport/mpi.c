@@ -227,13 +227,7 @@ static mfsdp_status_t post_tail(engine_t *e, MPI_Request *req)
         MFSDP_WARN("sharded tail of %zu bytes per rank: above INT_MAX", x->tail_count);
         return MFSDP_ERR_UNSUPPORTED;
     }
-    if (gather ? x->ag_out == NULL || x->tail_send != NULL || x->tail_recv != NULL
-               : x->tail_send == NULL || x->tail_recv == NULL) {
-        MFSDP_WARN("sharded tail of group %zu: the %s needs %s", x->gs->group,
-                   gather ? "all-gather" : "reduce",
-                   gather ? "FSDP's output and no staging" : "send and receive staging");
-        return MFSDP_ERR_INTERNAL;
-    }
+    MFSDP_CHECK(mfsdp_xfer_check_tail(x));
     int cnt = (int)x->tail_count;
     int rc;
     if (!gather) {

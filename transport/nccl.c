@@ -317,13 +317,7 @@ static int in_a_wave(const mfsdp_sched_op_t *op)
 static mfsdp_status_t post_tail(nccl_transport_t *t, const mfsdp_xfer_t *x)
 {
     int gather = x->dir == MFSDP_SCHED_DIR_GATHER;
-    if (gather ? x->ag_out == NULL || x->tail_send != NULL || x->tail_recv != NULL
-               : x->tail_send == NULL || x->tail_recv == NULL) {
-        MFSDP_WARN("sharded tail of group %zu: the %s needs %s", x->gs->group,
-                   gather ? "all-gather" : "reduce",
-                   gather ? "FSDP's output and no staging" : "send and receive staging");
-        return MFSDP_ERR_INTERNAL;
-    }
+    MFSDP_CHECK(mfsdp_xfer_check_tail(x));
     if (!gather) {
         /* An all-to-all of the contributions in FSDP's reduce dtype, as point-to-point pairs
          * (the own block stays where it was packed); the caller sums them in rank order. */

@@ -43,6 +43,19 @@ void *mfsdp_xfer_buf(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, size_t *
     return p;
 }
 
+mfsdp_status_t mfsdp_xfer_check_tail(const mfsdp_xfer_t *x)
+{
+    int gather = x->dir == MFSDP_SCHED_DIR_GATHER;
+    if (gather ? x->ag_out == NULL || x->tail_send != NULL || x->tail_recv != NULL
+               : x->tail_send == NULL || x->tail_recv == NULL) {
+        MFSDP_WARN("sharded tail of group %zu: the %s needs %s", x->gs->group,
+                   gather ? "all-gather" : "reduce",
+                   gather ? "FSDP's output and no staging" : "send and receive staging");
+        return MFSDP_ERR_INTERNAL;
+    }
+    return MFSDP_OK;
+}
+
 char *mfsdp_xfer_ag_at(const mfsdp_xfer_t *x, uint32_t seg, size_t pos, size_t *run_p)
 {
     const mfsdp_sched_seg_t *s = &x->gs->segs[seg];

@@ -125,6 +125,9 @@ void *mfsdp_xfer_buf(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, size_t *
  * *run_p how many bytes from there are contiguous (to the end of its rank block). NULL (and
  * 0) without an output or for pos outside the tensor. */
 char *mfsdp_xfer_ag_at(const mfsdp_xfer_t *x, uint32_t seg, size_t pos, size_t *run_p);
+/* The sharded tail's buffers (TAIL op): the all-gather needs ag_out and no tail staging (it
+ * runs in place), the reduce both staging blocks. MFSDP_ERR_INTERNAL, logged, otherwise. */
+mfsdp_status_t mfsdp_xfer_check_tail(const mfsdp_xfer_t *x);
 /* Run the local (APPLY, COPYOUT) op of an op list. srcv: world entries of scratch for a
  * direct reduce's ordered sum (the transport's, kept with the op list). */
 mfsdp_status_t mfsdp_xfer_local(const mfsdp_xfer_t *x, const mfsdp_sched_op_t *op, int rank,
