@@ -123,8 +123,7 @@ static int reduce_common(const void *sendbuf, void *recvbuf, int recvcount, MPI_
 {
     mfsdp_dtype_t dt;
     *handled = 0;
-    if (!usable(comm) || sendbuf == MPI_IN_PLACE || !mpi_dtype(datatype, &dt) ||
-        dt == MFSDP_UINT8 || recvcount <= 0) {
+    if (!usable(comm) || !mpi_dtype(datatype, &dt) || dt == MFSDP_UINT8 || recvcount <= 0) {
         return MPI_SUCCESS;
     }
     shim_comm_t *c = comm_state(comm);
@@ -132,8 +131,11 @@ static int reduce_common(const void *sendbuf, void *recvbuf, int recvcount, MPI_
         *handled = 1;
         return mpi_error(comm, MFSDP_ERR_NO_MEMORY);
     }
-    shim_call_t call =
-        reduce_call(SHIM_REDUCE_SCATTER, sendbuf, recvbuf, (size_t)recvcount, dt, op);
+    /* MPI_IN_PLACE: the input is recvbuf. Identified like any call; remapped, the runtime
+     * refuses it (the owners need the input apart from the output), so a managed
+     * communicator never passes it through. */
+    shim_call_t call = reduce_call(SHIM_REDUCE_SCATTER, sendbuf == MPI_IN_PLACE ? recvbuf : sendbuf,
+                                   recvbuf, (size_t)recvcount, dt, op);
     mfsdp_status_t st = MFSDP_OK;
     switch (shim_dispatch(c, &call, &st)) {
     case SHIM_DONE:

@@ -378,9 +378,19 @@ SHIM_EXPORT ncclResult_t ncclCommDestroy(ncclComm_t comm)
     return release(comm, REAL(destroy), "ncclCommDestroy");
 }
 
+/* An abort is the job's way out of a communicator it gave up on (or, before PyTorch 2.6,
+ * its teardown): nothing collective may run on it any more, and PyTorch's watchdog may call
+ * it while another thread is inside a remapped call. */
 SHIM_EXPORT ncclResult_t ncclCommAbort(ncclComm_t comm)
 {
-    return release(comm, REAL(abort), "ncclCommAbort");
+    if (REAL(abort) == NULL) {
+        return missing("ncclCommAbort");
+    }
+    if (!shim_inside) {
+        shim_comm_abandon(shim_comm_find(SHIM_NCCL, comm));
+    }
+    premul_purge(comm);
+    return REAL(abort)(comm);
 }
 
 /* ---------------------------------------------------------------- collectives */

@@ -178,9 +178,24 @@ static void shim_atexit(void)
     }
     int rank = job_rank();
     /* Live comms are not released here (that would be collective at exit); their counters
-     * join the summary. */
+     * join the summary. One whose release would have saved a checkpoint fails the job. */
     pthread_mutex_lock(&comms_lock);
     for (shim_comm_t *c = comms; c != NULL; c = c->next) {
+        int64_t unsaved = pthread_mutex_trylock(&c->lock) == 0 ? shim_ckpt_unsaved(c) : -2;
+        if (unsaved != -2) {
+            pthread_mutex_unlock(&c->lock);
+        }
+        if (unsaved >= 0) {
+            shim_fatal(c, 0, MFSDP_ERR_STATE,
+                       "the job exited without releasing its communicator (%s), so its final "
+                       "checkpoint was not written: step %lld is not saved to %s (its newest "
+                       "checkpoint is %s%lld); release it before exit (PyTorch: "
+                       "dist.destroy_process_group())",
+                       c->fe == SHIM_MPI ? "MPI_Comm_free or MPI_Finalize"
+                                         : "ncclCommDestroy or ncclCommFinalize",
+                       (long long)unsaved, shim_cfg->ckpt_dir,
+                       c->ckpt_saved < 0 ? "none, " : "step ", (long long)c->ckpt_saved);
+        }
         shim_report_keep(c);
         shim_record_keep(c);
     }
@@ -358,6 +373,53 @@ mfsdp_status_t shim_comm_remove(shim_comm_t *c)
     return comm_release(c);
 }
 
+void shim_comm_abandon(shim_comm_t *c)
+{
+    if (c == NULL) {
+        return;
+    }
+    pthread_mutex_lock(&comms_lock);
+    for (shim_comm_t **p = &comms; *p != NULL; p = &(*p)->next) {
+        if (*p == c) {
+            *p = c->next;
+            break;
+        }
+    }
+    if (pending_comm == c) {
+        pending_comm = NULL;
+    }
+    pthread_mutex_unlock(&comms_lock);
+    if (pthread_mutex_trylock(&c->lock) != 0) {
+        /* A remapped call is in progress on another thread: nothing of c may be touched. */
+        if (!shim_quiet()) {
+            fprintf(stderr,
+                    "mfsdp: warning on rank %d of %d: the communicator was aborted during a "
+                    "remapped call; mfsdp drops its state without flushing or saving it\n",
+                    c->rank, c->size);
+        }
+        return;
+    }
+    int64_t unsaved = shim_ckpt_unsaved(c);
+    if (unsaved >= 0) {
+        const mfsdp_config_t *cfg = shim_config();
+        shim_fatal(c, 0, MFSDP_ERR_STATE,
+                   "the communicator was aborted (ncclCommAbort) before its final checkpoint: "
+                   "step %lld is not saved to %s (its newest checkpoint is %s%lld); an aborted "
+                   "communicator runs no collective, so nothing more can be saved",
+                   (long long)unsaved, cfg->ckpt_dir, c->ckpt_saved < 0 ? "none, " : "step ",
+                   (long long)c->ckpt_saved);
+    } else if (c->ctx != NULL && !c->failed && c->remapped_rs > 0 && !shim_quiet()) {
+        MFSDP_INFO(SHIM, "comm %p aborted: pending optimizer steps, if any, are dropped",
+                   c->handle);
+    }
+    shim_report_keep(c);
+    shim_record_keep(c);
+    shim_reg_unbind(c);
+    pthread_mutex_unlock(&c->lock);
+    /* c and its context stay allocated: destroying the context could join a checkpoint write,
+     * which is collective, and a thread that raced the abort may still hold c. */
+}
+
 int shim_finalize_all(int world_rank)
 {
     finalized_once = 1;
@@ -443,10 +505,11 @@ static int comm_agree(shim_comm_t *c, const shim_tag_t *tag, const shim_call_t *
 
 static int agreed_status(mfsdp_status_t st)
 {
-    /* Errors every rank reaches alike (they depend only on rank-identical arguments). */
-    return st == MFSDP_ERR_MISMATCH || st == MFSDP_ERR_INVALID_ARG || st == MFSDP_ERR_CONFIG ||
-           st == MFSDP_ERR_UNSUPPORTED || st == MFSDP_ERR_SEQUENCE || st == MFSDP_ERR_STATE ||
-           st == MFSDP_ERR_MEM_LIMIT;
+    /* Errors every rank reaches alike (they depend only on rank-identical arguments). Not
+     * MFSDP_ERR_INVALID_ARG: the runtime's buffer checks (null, overlapping, in place) depend on
+     * each rank's pointers, so that rank says it itself. */
+    return st == MFSDP_ERR_MISMATCH || st == MFSDP_ERR_CONFIG || st == MFSDP_ERR_UNSUPPORTED ||
+           st == MFSDP_ERR_SEQUENCE || st == MFSDP_ERR_STATE || st == MFSDP_ERR_MEM_LIMIT;
 }
 
 static const char *kind_word(shim_kind_t k)
@@ -586,6 +649,18 @@ static shim_result_t tagged_call(shim_comm_t *c, const shim_tag_t *tag, const sh
             *st_p = MFSDP_ERR_MISMATCH;
             return SHIM_ERROR;
         }
+        if (reg->spent) {
+            /* Its owners' weights and optimizer state went with that communicator; a new one
+             * would start from the job's shards, which do not hold them. */
+            shim_fatal(c, 1, MFSDP_ERR_STATE,
+                       "manifest %d was bound to a communicator that trained and was then "
+                       "destroyed or aborted; the owners' weights and optimizer state went with "
+                       "it, so a new communicator cannot take the registration over (register "
+                       "the model again, from weights the job holds)",
+                       tag->id);
+            *st_p = MFSDP_ERR_STATE;
+            return SHIM_ERROR;
+        }
         if (reg->manifest->world_size != 0 && reg->manifest->world_size != c->size) {
             shim_fatal(c, 1, MFSDP_ERR_MISMATCH,
                        "the registered manifest is for %d ranks; the tagged call runs on %d",
@@ -593,6 +668,8 @@ static shim_result_t tagged_call(shim_comm_t *c, const shim_tag_t *tag, const sh
             *st_p = MFSDP_ERR_MISMATCH;
             return SHIM_ERROR;
         }
+        mfsdp_matcher_destroy(reg->matcher); /* an earlier binding's, if any */
+        reg->matcher = NULL;
         mfsdp_status_t st =
             mfsdp_matcher_create(reg->manifest, c->size, err, sizeof(err), &reg->matcher);
         if (st == MFSDP_ERR_UNSUPPORTED) { /* identical blocks: fine when tagged */

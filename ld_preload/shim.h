@@ -48,6 +48,7 @@ typedef struct shim_reg {
     mfsdp_settings_t settings;
     mfsdp_matcher_t *matcher; /* signatures for checking tags (built at binding) */
     struct shim_comm *comm;   /* NULL until the first tagged call */
+    int spent; /* its communicator remapped calls and is gone (the owners' state with it) */
 } shim_reg_t;
 
 /* One intercepted communicator. */
@@ -134,6 +135,11 @@ shim_comm_t *shim_comm_find(shim_frontend_t fe, const void *handle);
 /* Flush pending steps, keep the record, release (comm destroy / finalize). Returns the first
  * error the comm ended with (MFSDP_OK when none), for the front-end's return code. */
 mfsdp_status_t shim_comm_remove(shim_comm_t *c);
+/* The job aborted the comm (ncclCommAbort): forget it without anything collective (no flush,
+ * no checkpoint) and without waiting for its lock (another thread may be inside a remapped
+ * call on it); its state is kept, not freed. Says so when that loses trained steps (an error
+ * when MFSDP_CKPT_DIR was to hold them). */
+void shim_comm_abandon(shim_comm_t *c);
 /* At MPI_Finalize: release every comm, write the record, print the summary (on world rank 0).
  * Returns non-zero when the job must not exit 0 (an error, or a manifest that remapped
  * nothing). A job that never calls it (the NCCL front-end's jobs: torchrun, or MPI_Finalize
@@ -194,6 +200,9 @@ mfsdp_status_t shim_ckpt_start(shim_comm_t *c, char *msg, size_t msglen);
 mfsdp_status_t shim_ckpt_after_allgather(shim_comm_t *c, int iter_start, char *msg, size_t msglen);
 /* Collective over c, at its release (no error before): the last save, its commit. */
 mfsdp_status_t shim_ckpt_end(shim_comm_t *c, char *msg, size_t msglen);
+/* With MFSDP_CKPT_DIR set, the owners' step that no checkpoint of it holds yet (what the
+ * comm's release would have saved; c->ckpt_saved is the newest saved), else -1. */
+int64_t shim_ckpt_unsaved(const shim_comm_t *c);
 
 /* ---- shim_tag.c ---- */
 

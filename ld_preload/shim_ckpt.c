@@ -308,6 +308,18 @@ mfsdp_status_t shim_ckpt_after_allgather(shim_comm_t *c, int iter_start, char *m
     return save_if_due(c, 0, iter_start, msg, msglen);
 }
 
+int64_t shim_ckpt_unsaved(const shim_comm_t *c)
+{
+    const mfsdp_config_t *cfg = shim_config();
+    int64_t step = -1;
+    if (cfg == NULL || !(cfg->ckpt_dir_set && cfg->ckpt_dir[0] != '\0') || c->ctx == NULL ||
+        c->failed || c->reg != NULL) {
+        return -1;
+    }
+    (void)mfsdp_ckpt_ctx_boundary(c->ctx, 0, &step);
+    return step > c->ckpt_saved ? step : -1;
+}
+
 mfsdp_status_t shim_ckpt_end(shim_comm_t *c, char *msg, size_t msglen)
 {
     mfsdp_status_t st = save_if_due(c, 1, -1, msg, msglen);

@@ -149,6 +149,22 @@ int shim_report_exit(int world_rank)
         }
         fail = 1;
     }
+    /* Started by mfsdp-run, but the PyTorch companion never registered a model: every call
+     * passed through and the job trained with its own optimizer. */
+    const char *companion = getenv("MFSDP_COMPANION");
+    if (!manifest && !shim_recording() && !fail && companion != NULL &&
+        strcmp(companion, "tag") == 0 && kept.comms == 0 && kept.calls > 0) {
+        if (world_rank == 0 && !shim_quiet()) {
+            fprintf(stderr,
+                    "mfsdp: error: the job ran under mfsdp-run (MFSDP_COMPANION is set) but the "
+                    "PyTorch companion registered no model: its %llu all-gathers and "
+                    "reduce-scatters passed through and mfsdp trained nothing (was the "
+                    "companion's start-up bypassed, e.g. python -I or -S, or a launcher that "
+                    "resets PYTHONPATH?)\n",
+                    (unsigned long long)kept.calls);
+        }
+        fail = 1;
+    }
     fflush(stderr);
     return fail;
 }

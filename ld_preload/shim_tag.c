@@ -56,6 +56,7 @@ void shim_reg_unbind(shim_comm_t *c)
     for (int i = 0; i < nregs; i++) {
         if (regs[i]->comm == c) {
             regs[i]->comm = NULL;
+            regs[i]->spent |= c->remapped_ag + c->remapped_rs > 0;
         }
     }
     pthread_mutex_unlock(&reg_lock);

@@ -220,7 +220,10 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
     }
     if (rs->bytes != 0 && (const char *)recvbuf < (const char *)sendbuf + rs->bytes * (size_t)n &&
         (const char *)sendbuf < (const char *)recvbuf + rs->bytes) {
-        MFSDP_WARN("reduce of group %s: the output overlaps the input", gname);
+        MFSDP_WARN("reduce of group %s: the output overlaps the input (an in-place "
+                   "reduce-scatter is not supported: the owners read the whole input apart from "
+                   "the output)",
+                   gname);
         return MFSDP_ERR_INVALID_ARG;
     }
     if (rs->nentries == 0) {

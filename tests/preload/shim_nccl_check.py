@@ -18,6 +18,18 @@
                    inside a group; ncclGroupSimulateEnd ends one).
   group-pass       the same job under a shim that remaps nothing (no manifest; MFSDP_RECORD):
                    the grouped calls pass through, counted and recorded.
+  misuse MODE      shim_misuse.c MODE: a job that misuses a managed communicator is told,
+                   on the rank that did it, and never exits 0 where it lost or mistrained
+                   anything (mpi-inplace-rs: an MPI_IN_PLACE reduce-scatter is refused on every
+                   rank; nccl-mixed-rs: one rank's in-place reduce-scatter is refused with an
+                   error line of that rank; nccl-abort: ncclCommAbort called by one rank alone
+                   returns although releasing a lazy-clipped context would be collective, and
+                   with MFSDP_CKPT_DIR the unsaved step is an error; nccl-no-release: a job
+                   that exits without destroying its communicator while MFSDP_CKPT_DIR waits
+                   for the final save fails, nccl-plain is the same job destroying it;
+                   nccl-unregistered: a job under MFSDP_COMPANION=tag whose companion never
+                   registered a model fails at exit; nccl-spent: a registration whose
+                   communicator trained and was destroyed cannot be taken over by another).
   nompi MODE       shim_nccl_nompi.c in a process without MPI, over an NCCL that lacks most of
                    the API: one error line naming what is missing (api: a pncclX the NCCL
                    transport needs, the exit status non-zero; count: ncclCommCount failed;
@@ -27,6 +39,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -190,6 +203,114 @@ def cmd_group_pass(args):
     print("PASS")
 
 
+def error_lines(proc):
+    return [ln for ln in proc.stdout.splitlines() if ln.startswith("mfsdp: error")]
+
+
+def expect(cond, what, proc):
+    if not cond:
+        sys.stdout.write(proc.stdout[-4000:])
+        fail(what)
+
+
+def cmd_misuse(args):
+    n = args.np
+    with tempfile.TemporaryDirectory(prefix="mfsdp-misuse-") as tmp:
+        manifest = os.path.join(tmp, "manifest.json")
+        ckpt = os.path.join(tmp, "ck")
+
+        def go(mode, shim_env, preload=None, timeout=60):
+            cmd = [args.mpirun, "-np", str(n)] + MPIRUN_FLAGS + [
+                "-x", f"LD_PRELOAD={preload or args.preload}"]
+            for k, v in shim_env.items():
+                cmd += ["-x", f"{k}={v}"]
+            cmd += [args.job, mode, manifest]
+            try:
+                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, timeout=timeout)
+            except subprocess.TimeoutExpired as e:
+                out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+                sys.stdout.write(out[-4000:])
+                fail(f"{mode}: the job hung ({timeout} s)")
+            print(f"$ {' '.join(cmd)}  -> exit {proc.returncode}")
+            return proc
+
+        m = args.mode
+        man = {"MFSDP_MANIFEST": manifest}
+        if m == "mpi-inplace-rs":
+            proc = go(m, man, preload=args.preload_mpi)
+            lines = error_lines(proc)
+            expect(proc.returncode != 0, "the job exited 0", proc)
+            want = {f"mfsdp: error on rank {r} of {n}" for r in range(n)}
+            got = {ln.split(":")[0] + ":" + ln.split(":")[1] for ln in lines}
+            expect(all(ln.split(": the")[0] in want for ln in lines) and len(lines) == n,
+                   f"want one error line per rank, got {lines}", proc)
+            expect(all("in-place reduce-scatter is not supported" in ln for ln in lines),
+                   f"the error lines do not say why: {lines}", proc)
+            expect(proc.stdout.count("ok: rank") == n, "not every rank saw its call refused",
+                   proc)
+            print(f"ok: every rank refused its MPI_IN_PLACE reduce-scatter ({sorted(got)})")
+        elif m == "nccl-mixed-rs":
+            proc = go(m, man)
+            lines = error_lines(proc)
+            expect(proc.returncode != 0, "the job exited 0", proc)
+            expect(len(lines) == 1 and lines[0].startswith(f"mfsdp: error on rank {n - 1} of {n}:")
+                   and "in-place reduce-scatter is not supported" in lines[0],
+                   f"want one error line of rank {n - 1}, got {lines}", proc)
+            expect(f"ok: rank {n - 1}: in-place ncclReduceScatter" in proc.stdout,
+                   "the last rank's call was not refused", proc)
+            print(f"ok: rank {n - 1} said why its in-place reduce-scatter was refused: "
+                  f"{lines[0][:160]}")
+        elif m == "nccl-abort":
+            proc = go("nccl-abort-lazy", man)
+            expect(proc.returncode == 0 and not error_lines(proc),
+                   "an abort with nothing to save failed the job", proc)
+            expect(proc.stdout.count("ok: rank") == n and "FAIL" not in proc.stdout,
+                   "not every rank's ncclCommAbort returned", proc)
+            print("ok: ncclCommAbort alone returned on a lazy, clipped context; exit 0")
+            proc = go("nccl-abort", dict(man, MFSDP_CKPT_DIR=ckpt))
+            lines = error_lines(proc)
+            expect(proc.returncode != 0, "aborting before the final checkpoint exited 0", proc)
+            expect(len(lines) == n and all("aborted (ncclCommAbort) before its final checkpoint"
+                                           in ln and "step 1 is not saved" in ln for ln in lines),
+                   f"want an error line per rank naming the unsaved step, got {lines}", proc)
+            print(f"ok: the aborted, unsaved step is an error on every rank: {lines[0][:160]}")
+        elif m == "nccl-no-release":
+            proc = go("nccl-plain", dict(man, MFSDP_CKPT_DIR=ckpt))
+            expect(proc.returncode == 0 and not error_lines(proc), "the baseline failed", proc)
+            expect(os.path.isdir(ckpt) and os.listdir(ckpt), "the baseline saved nothing", proc)
+            shutil.rmtree(ckpt)
+            proc = go(m, dict(man, MFSDP_CKPT_DIR=ckpt))
+            lines = error_lines(proc)
+            expect(proc.returncode != 0, "exiting without the final checkpoint exited 0", proc)
+            expect(len(lines) == n and all("exited without releasing its communicator" in ln
+                                           and "step 1 is not saved" in ln for ln in lines),
+                   f"want an error line per rank naming the unsaved step, got {lines}", proc)
+            print(f"ok: exiting without the final checkpoint fails the job: {lines[0][:160]}")
+        elif m == "nccl-unregistered":
+            proc = go("nccl-plain", {"MFSDP_COMPANION": "tag"})
+            lines = error_lines(proc)
+            expect(proc.returncode != 0, "a companion job that registered nothing exited 0",
+                   proc)
+            expect(len(lines) == 1 and "the PyTorch companion registered no model" in lines[0]
+                   and "3 all-gathers and reduce-scatters passed through" in lines[0],
+                   f"want one error line, got {lines}", proc)
+            proc = go("nccl-plain", {})
+            expect(proc.returncode == 0 and not error_lines(proc),
+                   "without MFSDP_COMPANION the same pass-through job failed", proc)
+            print(f"ok: MFSDP_COMPANION=tag with nothing registered fails: {lines[0][:160]}")
+        elif m == "nccl-spent":
+            proc = go(m, {})
+            lines = error_lines(proc)
+            expect(proc.returncode != 0, "the job exited 0", proc)
+            expect(proc.stdout.count("ok: rank") == 2 * n and "FAIL" not in proc.stdout,
+                   "the tagged all-gather on the new communicator was not refused", proc)
+            expect(len(lines) == 1 and "was bound to a communicator that trained" in lines[0],
+                   f"want one error line, got {lines}", proc)
+            print(f"ok: a spent registration is refused on a new communicator: {lines[0][:160]}")
+    print("PASS")
+
+
 def cmd_nompi(args):
     env = dict(os.environ, LD_PRELOAD=args.preload)
     for k in [k for k in env if k.startswith("MFSDP_")]:
@@ -218,8 +339,10 @@ def cmd_nompi(args):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("command", choices=["libs", "stream", "group", "group-ar", "group-pass",
-                                        "nompi"])
-    ap.add_argument("mode", nargs="?", choices=["api", "count", "forward"])
+                                        "misuse", "nompi"])
+    ap.add_argument("mode", nargs="?", choices=["api", "count", "forward", "mpi-inplace-rs",
+                                                "nccl-mixed-rs", "nccl-abort", "nccl-no-release",
+                                                "nccl-unregistered", "nccl-spent"])
     ap.add_argument("--preload", required=True, help="libmfsdp_preload.so")
     ap.add_argument("--preload-mpi", help="libmfsdp_preload_mpi.so (libs)")
     ap.add_argument("--map", help="libmfsdp_preload.map (libs)")
@@ -240,6 +363,8 @@ def main():
         cmd_group(args)
     elif args.command == "group-pass":
         cmd_group_pass(args)
+    elif args.command == "misuse":
+        cmd_misuse(args)
     else:
         cmd_nompi(args)
 
