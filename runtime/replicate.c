@@ -16,6 +16,38 @@
 #include "core/checks.h"
 #include "runtime/ctx.h"
 
+/* Elements [a, b) of the group's sharded tail (its reduce-scatter entries in tail order,
+ * concatenated) between FSDP's output and t (b - a floats): to t widened to fp32 (back 0), or
+ * scaled and cast back into the output (back 1). */
+static mfsdp_status_t tail_window(struct mfsdp_ctx *ctx, const mfsdp_group_sched_t *gs,
+                                  void *recvbuf, mfsdp_dtype_t dtype, size_t a, size_t b, float *t,
+                                  int back, float scale)
+{
+    const mfsdp_buffer_layout_t *rs = &gs->layout->rs;
+    size_t elt = mfsdp_dtype_size(dtype);
+    size_t pos = 0; /* first tail element of entry k */
+    for (size_t k = 0; k < gs->ntail && pos < b; k++) {
+        long e = gs->layout->rs_entry[gs->tail[k]];
+        if (e < 0) {
+            continue;
+        }
+        size_t s = (size_t)rs->entries[e].s;
+        size_t lo = a > pos ? a : pos, hi = b < pos + s ? b : pos + s;
+        if (lo < hi) {
+            char *o = (char *)recvbuf + rs->entries[e].o_bytes + (lo - pos) * elt;
+            float *w = t + (lo - a);
+            if (back) {
+                MFSDP_CHECK(ctx->exec->ops->scale(ctx->exec, w, hi - lo, scale));
+                MFSDP_CHECK(ctx->exec->ops->cast(ctx->exec, o, dtype, w, MFSDP_FLOAT32, hi - lo));
+            } else {
+                MFSDP_CHECK(ctx->exec->ops->cast(ctx->exec, w, MFSDP_FLOAT32, o, dtype, hi - lo));
+            }
+        }
+        pos += s;
+    }
+    return MFSDP_OK;
+}
+
 /* The contiguous byte range [lo, hi) of hsdp_in holding this rank's owned gradients (which) or
  * sharded-tail slices of group g: the arena lays both out in shard order. */
 static void group_range(const struct mfsdp_ctx *ctx, size_t g, int tail, size_t *lo, size_t *hi)
@@ -115,36 +147,25 @@ mfsdp_status_t mfsdp_ctx_replicate(mfsdp_ctx_h ctx, size_t group, const void *se
                                              rs->entries[e].s_bytes));
         }
     }
+    /* The sharded tail, all-reduced in fp32 through the staging region in windows of at most
+     * its size (the budget may have cut it below the tail's floats). */
     size_t tail_elems = 0;
     for (size_t k = 0; k < gs->ntail; k++) {
         long e = gs->layout->rs_entry[gs->tail[k]];
         tail_elems += e >= 0 ? (size_t)rs->entries[e].s : 0;
     }
-    if (tail_elems != 0) {
-        float *t = (float *)ctx->stage; /* >= world x the tail's floats (reduce staging) */
-        float *p = t;
-        for (size_t k = 0; k < gs->ntail; k++) {
-            long e = gs->layout->rs_entry[gs->tail[k]];
-            if (e >= 0) {
-                MFSDP_CHECK(ctx->exec->ops->cast(ctx->exec, p, MFSDP_FLOAT32,
-                                                 (const char *)recvbuf + rs->entries[e].o_bytes,
-                                                 dtype, (size_t)rs->entries[e].s));
-                p += rs->entries[e].s;
-            }
-        }
-        MFSDP_CHECK(ctx->rtp->ops->allreduce_f32(ctx->rtp, t, tail_elems));
-        p = t;
-        for (size_t k = 0; k < gs->ntail; k++) {
-            long e = gs->layout->rs_entry[gs->tail[k]];
-            if (e < 0) {
-                continue;
-            }
-            size_t s = (size_t)rs->entries[e].s;
-            MFSDP_CHECK(ctx->exec->ops->scale(ctx->exec, p, s, scale));
-            MFSDP_CHECK(ctx->exec->ops->cast(ctx->exec, (char *)recvbuf + rs->entries[e].o_bytes,
-                                             dtype, p, MFSDP_FLOAT32, s));
-            p += s;
-        }
+    size_t cap = ctx->stage_bytes / sizeof(float);
+    if (tail_elems != 0 && cap == 0) {
+        MFSDP_WARN("replicate all-reduce of group %s: no staging for the sharded tail",
+                   ctx->manifest->groups[group].name);
+        return MFSDP_ERR_INTERNAL;
+    }
+    float *t = (float *)ctx->stage;
+    for (size_t a = 0; a < tail_elems; a += cap) {
+        size_t b = tail_elems - a < cap ? tail_elems : a + cap;
+        MFSDP_CHECK(tail_window(ctx, gs, recvbuf, dtype, a, b, t, 0, scale));
+        MFSDP_CHECK(ctx->rtp->ops->allreduce_f32(ctx->rtp, t, b - a));
+        MFSDP_CHECK(tail_window(ctx, gs, recvbuf, dtype, a, b, t, 1, scale));
     }
     ctx->awaiting = -1;
     return mfsdp_ctx_reduce_done(ctx, group);

@@ -1744,6 +1744,86 @@ static void test_hsdp(uint64_t seed, mfsdp_tail_policy_t tail, int drop)
 #endif
 }
 
+/* HSDP with a sharded tail larger than the staging region (the budget cuts it into passes):
+ * the replicate all-reduce goes through the region in windows. Every global rank r contributes
+ * r + 1 to every tail element, so each element of the job's output and of the owners' slice
+ * gradient must be exactly the sum over ranks (small integers, exact in fp32). */
+static void test_hsdp_big_tail(void)
+{
+    if (g_world % 2 != 0) {
+        return;
+    }
+#ifdef TEST_TRANSPORT_NCCL
+    return; /* the window loop is the transport's caller's: over MPI only */
+#endif
+    const long T = 20000; /* 1-D tail elements: 40 KB per rank at 2 ranks */
+    int shard = g_world / 2, srank = 0;
+    MPI_Comm sc, rc;
+    PMPI_Comm_split(MPI_COMM_WORLD, g_rank / shard, g_rank, &sc);
+    PMPI_Comm_split(MPI_COMM_WORLD, g_rank % shard, g_rank, &rc);
+    PMPI_Comm_rank(sc, &srank);
+    char js[512];
+    snprintf(js, sizeof(js),
+             "{\"format\": \"mfsdp-manifest/1\", \"replicate\": 2, \"groups\": [{\"name\": "
+             "\"g\", \"params\": [{\"name\": \"w\", \"shape\": [8, 8], \"dtype\": \"float32\"}, "
+             "{\"name\": \"n\", \"shape\": [%ld], \"dtype\": \"float32\"}]}]}",
+             T);
+    mfsdp_manifest_t *m = NULL;
+    char err[256];
+    CHECK_OK(mfsdp_manifest_parse(js, strlen(js), "big tail", err, sizeof(err), &m));
+    mfsdp_ctx_opts_t o;
+    memset(&o, 0, sizeof(o));
+    o.has_plan_opts = 1;
+    o.plan_opts.tail = MFSDP_TAIL_SHARD;
+    o.staging_bytes = 65536;
+    o.has_step_mode = 1;
+    o.step_mode = MFSDP_STEP_MANUAL;
+    o.gather_algo = MFSDP_ALGO_DIRECT;
+    o.reduce_algo = MFSDP_ALGO_DIRECT;
+    mfsdp_ctx_h ctx = NULL;
+    CHECK_OK(mfsdp_ctx_create_mpi(m, &o, sc, &ctx));
+    CHECK_OK(mfsdp_ctx_attach_replicate_mpi(ctx, rc));
+    mfsdp_ctx_stats_t stats;
+    CHECK_OK(mfsdp_ctx_get_stats(ctx, &stats));
+    const long c = (T + shard - 1) / shard, cw = (8 + shard - 1) / shard;
+    const size_t S = (size_t)(cw * 8 + c);
+    CHECK((size_t)c * sizeof(float) > stats.comm_staging_bytes,
+          "big tail: %ld tail floats per rank fit the %zu staged bytes: no windows", c,
+          stats.comm_staging_bytes);
+    float *send = calloc(S, sizeof(float)), *recv = calloc(S * (size_t)shard, sizeof(float));
+    float *in = calloc(S * (size_t)shard, sizeof(float)), *out = calloc(S, sizeof(float));
+    float *red = calloc(S, sizeof(float));
+    CHECK_OK(mfsdp_ctx_allgather(ctx, 0, send, recv, S, MFSDP_FLOAT32));
+    for (int r = 0; r < shard; r++) {
+        for (long e = 0; e < c && r * c + e < T; e++) {
+            in[(size_t)r * S + (size_t)(cw * 8 + e)] = (float)(g_rank + 1);
+        }
+    }
+    CHECK_OK(mfsdp_ctx_reduce(ctx, 0, in, out, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0));
+    CHECK_OK(mfsdp_ctx_replicate(ctx, 0, out, red, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0));
+    const float want = (float)(g_world * (g_world + 1) / 2);
+    long bad = 0;
+    mfsdp_param_view_t v;
+    CHECK_OK(mfsdp_ctx_get_param(ctx, "n", &v));
+    for (size_t e = 0; v.grad != NULL && e < v.local_valid; e++) {
+        bad += v.grad[e] != want;
+    }
+    for (long e = 0; e < c && srank * c + e < T; e++) {
+        bad += red[cw * 8 + e] != want;
+    }
+    CHECK(bad == 0, "big tail: %ld tail elements differ from %g after the replicate all-reduce",
+          bad, (double)want);
+    mfsdp_ctx_destroy(&ctx);
+    mfsdp_manifest_free(m);
+    free(send);
+    free(recv);
+    free(in);
+    free(out);
+    free(red);
+    PMPI_Comm_free(&sc);
+    PMPI_Comm_free(&rc);
+}
+
 #ifdef TEST_TRANSPORT_NCCL
 /* MFSDP_TRANSPORT=mpi asks for the MPI transport: refused alike on every rank. */
 static void test_transport_mpi(void)
@@ -1881,6 +1961,7 @@ int main(int argc, char **argv)
     test_hsdp(4000, MFSDP_TAIL_OWNER, 0);
     test_hsdp(4001, MFSDP_TAIL_SHARD, 1);
     test_hsdp(4002, MFSDP_TAIL_JOB, 1);
+    test_hsdp_big_tail();
 
 #ifdef TEST_TRANSPORT_NCCL
 done:
