@@ -64,14 +64,31 @@ static shim_comm_t *comm_state(MPI_Comm comm)
     return c;
 }
 
+/* Whether count elements of t are the same contiguous bytes as bytes bytes (a send type other
+ * than the receive type, e.g. MPI_BYTE for MPI_FLOAT). */
+static int same_bytes(int count, MPI_Datatype t, size_t bytes)
+{
+    int size = 0;
+    MPI_Aint lb = 0, extent = 0;
+    return count >= 0 && PMPI_Type_size(t, &size) == MPI_SUCCESS &&
+           PMPI_Type_get_extent(t, &lb, &extent) == MPI_SUCCESS && lb == 0 &&
+           extent == (MPI_Aint)size && (size_t)count * (size_t)size == bytes;
+}
+
 SHIM_EXPORT int MPI_Allgather(const void *sendbuf, int sendcount, MPI_Datatype sendtype,
                               void *recvbuf, int recvcount, MPI_Datatype recvtype, MPI_Comm comm)
 {
-    mfsdp_dtype_t dt;
-    if (!usable(comm) || !mpi_dtype(recvtype, &dt) || recvcount <= 0 ||
-        (sendbuf != MPI_IN_PLACE && (sendtype != recvtype || sendcount != recvcount))) {
+    mfsdp_dtype_t dt = MFSDP_UINT8;
+    if (!usable(comm) || recvcount <= 0) {
         return PMPI_Allgather(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm);
     }
+    /* A datatype mfsdp does not handle (MPI has no standard bfloat16), or a send side that is
+     * not the receive side's bytes, is never remapped: on a managed communicator it is refused,
+     * elsewhere it passes through (shim_dispatch), as the NCCL front-end's. */
+    int typed = mpi_dtype(recvtype, &dt);
+    int known =
+        typed && (sendbuf == MPI_IN_PLACE || (sendtype == recvtype && sendcount == recvcount) ||
+                  same_bytes(sendcount, sendtype, (size_t)recvcount * mfsdp_dtype_size(dt)));
     shim_comm_t *c = comm_state(comm);
     if (c == NULL) {
         return mpi_error(comm, MFSDP_ERR_NO_MEMORY);
@@ -80,14 +97,17 @@ SHIM_EXPORT int MPI_Allgather(const void *sendbuf, int sendcount, MPI_Datatype s
     if (sendbuf == MPI_IN_PLACE) {
         send = (const char *)recvbuf + (size_t)c->rank * (size_t)recvcount * mfsdp_dtype_size(dt);
     }
-    shim_call_t call = {.kind = SHIM_ALLGATHER,
-                        .count = (size_t)recvcount,
-                        .dtype_known = 1,
-                        .dtype = dt,
-                        .send = send,
-                        .recv = recvbuf,
-                        .op_name = "none",
-                        .op_supported = 1};
+    shim_call_t call = {
+        .kind = SHIM_ALLGATHER,
+        .count = (size_t)recvcount,
+        .dtype_known = known,
+        .local_why =
+            typed && !known ? "whose send count and type are not the receive block's bytes" : NULL,
+        .dtype = dt,
+        .send = send,
+        .recv = recvbuf,
+        .op_name = "none",
+        .op_supported = 1};
     mfsdp_status_t st = MFSDP_OK;
     switch (shim_dispatch(c, &call, &st)) {
     case SHIM_DONE:
@@ -103,11 +123,11 @@ SHIM_EXPORT int MPI_Allgather(const void *sendbuf, int sendcount, MPI_Datatype s
 /* MPI ops mfsdp can apply on owners: only MPI_SUM (an average is the job's post-divide, which
  * the manifest's training.grad_divide declares). */
 static shim_call_t reduce_call(shim_kind_t kind, const void *sendbuf, void *recvbuf, size_t count,
-                               mfsdp_dtype_t dt, MPI_Op op)
+                               int known, mfsdp_dtype_t dt, MPI_Op op)
 {
     shim_call_t call = {.kind = kind,
                         .count = count,
-                        .dtype_known = 1,
+                        .dtype_known = known,
                         .dtype = dt,
                         .send = sendbuf,
                         .recv = recvbuf,
@@ -121,11 +141,13 @@ static shim_call_t reduce_call(shim_kind_t kind, const void *sendbuf, void *recv
 static int reduce_common(const void *sendbuf, void *recvbuf, int recvcount, MPI_Datatype datatype,
                          MPI_Op op, MPI_Comm comm, int *handled)
 {
-    mfsdp_dtype_t dt;
+    mfsdp_dtype_t dt = MFSDP_FLOAT32;
     *handled = 0;
-    if (!usable(comm) || !mpi_dtype(datatype, &dt) || dt == MFSDP_UINT8 || recvcount <= 0) {
+    if (!usable(comm) || recvcount <= 0) {
         return MPI_SUCCESS;
     }
+    /* A datatype mfsdp cannot sum is refused on a managed communicator (shim_dispatch). */
+    int known = mpi_dtype(datatype, &dt) && dt != MFSDP_UINT8;
     shim_comm_t *c = comm_state(comm);
     if (c == NULL) {
         *handled = 1;
@@ -135,7 +157,7 @@ static int reduce_common(const void *sendbuf, void *recvbuf, int recvcount, MPI_
      * refuses it (the owners need the input apart from the output), so a managed
      * communicator never passes it through. */
     shim_call_t call = reduce_call(SHIM_REDUCE_SCATTER, sendbuf == MPI_IN_PLACE ? recvbuf : sendbuf,
-                                   recvbuf, (size_t)recvcount, dt, op);
+                                   recvbuf, (size_t)recvcount, known, dt, op);
     mfsdp_status_t st = MFSDP_OK;
     switch (shim_dispatch(c, &call, &st)) {
     case SHIM_DONE:
@@ -194,7 +216,7 @@ SHIM_EXPORT int MPI_Allreduce(const void *sendbuf, void *recvbuf, int count, MPI
         return mpi_error(comm, MFSDP_ERR_NO_MEMORY);
     }
     shim_call_t call = reduce_call(SHIM_ALLREDUCE, sendbuf == MPI_IN_PLACE ? recvbuf : sendbuf,
-                                   recvbuf, (size_t)count, dt, op);
+                                   recvbuf, (size_t)count, 1, dt, op);
     mfsdp_status_t st = MFSDP_OK;
     switch (shim_allreduce(c, &call, &st)) {
     case SHIM_DONE:

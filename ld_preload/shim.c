@@ -864,10 +864,12 @@ shim_result_t shim_dispatch(shim_comm_t *c, const shim_call_t *call, mfsdp_statu
         goto out;
     }
     if (!call->dtype_known) {
-        shim_fatal(c, 1, MFSDP_ERR_SEQUENCE,
-                   "a %s of count %zu in a datatype mfsdp does not handle on the managed "
-                   "communicator (its all-gathers and reduce-scatters must all be FSDP's)",
-                   kind_word(call->kind), call->count);
+        shim_fatal(c, call->local_why == NULL, MFSDP_ERR_SEQUENCE,
+                   "a %s of count %zu %s on the managed communicator (its all-gathers and "
+                   "reduce-scatters must all be FSDP's)",
+                   kind_word(call->kind), call->count,
+                   call->local_why != NULL ? call->local_why
+                                           : "in a datatype mfsdp does not handle");
         *st_p = MFSDP_ERR_SEQUENCE;
         res = SHIM_ERROR;
         goto out;

@@ -98,6 +98,9 @@ typedef struct shim_call {
     shim_kind_t kind;
     size_t count;    /* per-rank count (all-gather, reduce-scatter); all-reduce: count */
     int dtype_known; /* 0: a dtype mfsdp does not handle (never remapped) */
+    /* With dtype_known 0: why, when it is this rank's own choice (refused on this rank alone,
+     * which says so); NULL: the datatype, the same on every rank of a correct job. */
+    const char *local_why;
     mfsdp_dtype_t dtype;
     const void *send; /* the rank's shard (all-gather) or the full input (reduce) */
     void *recv;

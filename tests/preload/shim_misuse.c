@@ -10,6 +10,10 @@
  *   mpi-inplace-rs   an in-place MPI_Reduce_scatter_block (MPI_IN_PLACE) on the managed
  *                    communicator (errors returned): refused on every rank, never passed
  *                    through; exits 3 after the refusal.
+ *   mpi-typed-ag     an MPI_Allgather that sends MPI_BYTE for a receive of MPI_FLOAT (the same
+ *                    bytes: remapped, the result exact), then one receiving MPI_UINT16_T (a
+ *                    bfloat16 as MPI jobs spell it: a datatype mfsdp does not handle) of the
+ *                    group's size, which a managed communicator must refuse, not pass through.
  *   nccl-mixed-rs    the last rank reduce-scatters in place, the others out of place (legal
  *                    NCCL, per rank): the last rank is refused and must say so itself (the
  *                    others are inside their reduce: it MPI_Aborts them).
@@ -77,6 +81,14 @@ static const char *manifest_text(int lazy)
     return text;
 }
 
+/* Element i of rank q's FSDP shard (w's rows, then b's; padding rows zero). */
+static float shard_value(int q, size_t i, int cw, int cb)
+{
+    size_t wn = (size_t)cw * W_COLS;
+    int valid = i < wn ? q * cw + (int)(i / W_COLS) < W_ROWS : q * cb + (int)(i - wn) < B_ROWS;
+    return valid ? 0.25f + (float)i / 64.0f : 0.0f;
+}
+
 /* The shim's tagging entry points (it is preloaded). */
 static void *shim_fn(const char *name)
 {
@@ -119,7 +131,7 @@ int main(int argc, char **argv)
     float *grad = calloc(S * (size_t)world, sizeof(float));
     float *out = calloc(S, sizeof(float));
     for (size_t i = 0; i < S; i++) {
-        full[(size_t)rank * S + i] = 0.25f + (float)i / 64.0f;
+        full[(size_t)rank * S + i] = shard_value(rank, i, cw, cb);
     }
     for (size_t i = 0; i < S * (size_t)world; i++) {
         grad[i] = (float)((i * 7 + (size_t)rank * 3) % 11) / 8.0f - 0.5f;
@@ -137,6 +149,24 @@ int main(int argc, char **argv)
         rc = MPI_Reduce_scatter_block(MPI_IN_PLACE, grad, (int)S, MPI_FLOAT, MPI_SUM,
                                       MPI_COMM_WORLD);
         printf("%s: rank %d: in-place MPI_Reduce_scatter_block returned %d\n",
+               rc != MPI_SUCCESS ? "ok" : "FAIL", rank, rc);
+        code = 3;
+    } else if (strcmp(mode, "mpi-typed-ag") == 0) {
+        MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+        float *mine = full + (size_t)rank * S;
+        int rc = MPI_Allgather(mine, (int)(S * sizeof(float)), MPI_BYTE, full, (int)S, MPI_FLOAT,
+                               MPI_COMM_WORLD);
+        long bad = 0;
+        for (int q = 0; q < world; q++) {
+            for (size_t i = 0; i < S; i++) {
+                bad += full[(size_t)q * S + i] != shard_value(q, i, cw, cb);
+            }
+        }
+        printf("%s: rank %d: an all-gather sending MPI_BYTE for MPI_FLOAT: rc %d, #wrong %ld\n",
+               rc == MPI_SUCCESS && bad == 0 ? "ok" : "FAIL", rank, rc, bad);
+        rc = MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, full, (int)(2 * S), MPI_UINT16_T,
+                           MPI_COMM_WORLD);
+        printf("%s: rank %d: an MPI_UINT16_T all-gather of the group's bytes: rc %d\n",
                rc != MPI_SUCCESS ? "ok" : "FAIL", rank, rc);
         code = 3;
     } else if (strcmp(mode, "nccl-mixed-rs") == 0) {

@@ -21,7 +21,8 @@
   misuse MODE      shim_misuse.c MODE: a job that misuses a managed communicator is told,
                    on the rank that did it, and never exits 0 where it lost or mistrained
                    anything (mpi-inplace-rs: an MPI_IN_PLACE reduce-scatter is refused on every
-                   rank; nccl-mixed-rs: one rank's in-place reduce-scatter is refused with an
+                   rank; mpi-typed-ag: an all-gather whose send type is the receive block's
+                   bytes is remapped, one in a datatype mfsdp does not handle is refused; nccl-mixed-rs: one rank's in-place reduce-scatter is refused with an
                    error line of that rank; nccl-abort: ncclCommAbort called by one rank alone
                    returns although releasing a lazy-clipped context would be collective, and
                    with MFSDP_CKPT_DIR the unsaved step is an error; nccl-no-release: a job
@@ -250,6 +251,19 @@ def cmd_misuse(args):
             expect(proc.stdout.count("ok: rank") == n, "not every rank saw its call refused",
                    proc)
             print(f"ok: every rank refused its MPI_IN_PLACE reduce-scatter ({sorted(got)})")
+        elif m == "mpi-typed-ag":
+            proc = go(m, man, preload=args.preload_mpi)
+            lines = error_lines(proc)
+            expect(proc.returncode != 0, "the job exited 0", proc)
+            expect(proc.stdout.count("ok: rank") == 2 * n and "FAIL" not in proc.stdout,
+                   "the typed all-gather was not exact, or the MPI_UINT16_T one not refused",
+                   proc)
+            expect(len(lines) == 1 and "in a datatype mfsdp does not handle" in lines[0],
+                   f"want one error line, got {lines}", proc)
+            expect("mfsdp: summary: 1 all-gathers" in proc.stdout,
+                   "the all-gather sending MPI_BYTE was not remapped", proc)
+            print(f"ok: a same-bytes send type is remapped; an MPI_UINT16_T all-gather is "
+                  f"refused: {lines[0][:160]}")
         elif m == "nccl-mixed-rs":
             proc = go(m, man)
             lines = error_lines(proc)
@@ -341,6 +355,7 @@ def main():
     ap.add_argument("command", choices=["libs", "stream", "group", "group-ar", "group-pass",
                                         "misuse", "nompi"])
     ap.add_argument("mode", nargs="?", choices=["api", "count", "forward", "mpi-inplace-rs",
+                                                "mpi-typed-ag",
                                                 "nccl-mixed-rs", "nccl-abort", "nccl-no-release",
                                                 "nccl-unregistered", "nccl-spent"])
     ap.add_argument("--preload", required=True, help="libmfsdp_preload.so")
