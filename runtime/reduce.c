@@ -226,11 +226,36 @@ mfsdp_status_t mfsdp_ctx_reduce_params(mfsdp_ctx_h ctx, size_t group, const unsi
                    gname);
         return MFSDP_ERR_INVALID_ARG;
     }
+    if (ctx->mode == MFSDP_STEP_LAZY && gst->micro >= ctx->accum) {
+        /* The window is complete and its step has not run: the lazy trigger waits for every
+         * group that trains, and one of them did not reduce in it. Accumulating would merge
+         * two windows' gradients into one step. */
+        const char *lag = "another group";
+        for (size_t g = 0; g < ctx->manifest->ngroups; g++) {
+            if (ctx->groups[g].gs->layout->rs.nentries != 0 && ctx->groups[g].micro < ctx->accum) {
+                lag = ctx->manifest->groups[g].name;
+                break;
+            }
+        }
+        MFSDP_WARN("reduce of group %s: its accumulation window of %d is complete and the lazy "
+                   "step has not run, because group %s did not reduce in that window (an FSDP "
+                   "unit unused in an iteration?); the lazy step cannot tell where such a window "
+                   "ends, and accumulating would merge two windows into one step: use eager or "
+                   "manual steps, or give every trained group a gradient in every window",
+                   gname, ctx->accum, lag);
+        return MFSDP_ERR_STATE;
+    }
     if (rs->nentries == 0) {
         ctx->reduces++;
         gst->last_rs = gs;
-        ctx->awaiting = ctx->replicate > 1 ? (long)group : -1;
-        return MFSDP_OK;
+        if (ctx->replicate > 1) {
+            ctx->awaiting = (long)group; /* its replicate all-reduce completes it */
+            return MFSDP_OK;
+        }
+        ctx->awaiting = -1;
+        /* A micro-step in which none of the group's params got a gradient still counts: its
+         * window ends when the others' does. */
+        return gst->gs->layout->rs.nentries != 0 ? mfsdp_ctx_reduce_done(ctx, group) : MFSDP_OK;
     }
     for (size_t i = 0; i < gd->nparams; i++) {
         if (gs->layout->rs_entry[i] >= 0) {

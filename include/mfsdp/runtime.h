@@ -165,7 +165,9 @@ MFSDP_API mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, cons
  * into its owner's fp32 gradient; sharded-tail slices are reduced onto their ranks. On
  * return @p recvbuf holds zeros for owner-managed bytes and the reduced slice (in @p dtype)
  * for sharded-tail bytes. In an eager context, the group's optimizer step runs when this
- * call completes its accumulation window.
+ * call completes its accumulation window. In a lazy context, a reduce into a window that is
+ * complete but not yet stepped (another group that trains did not reduce in that window, so
+ * the lazy trigger never fired) returns MFSDP_ERR_STATE instead of merging two windows.
  * @param [in]  ctx        context
  * @param [in]  group      group index
  * @param [in]  sendbuf    world * recvcount elements of @p dtype
@@ -189,7 +191,8 @@ MFSDP_API mfsdp_status_t mfsdp_ctx_reduce(mfsdp_ctx_h ctx, size_t group, const v
  * 1 when the param is in this reduce-scatter. NULL means every requires_grad param (then this
  * is mfsdp_ctx_reduce()). A param without gradient in a whole accumulation window is not
  * stepped and keeps its optimizer state, as torch's optimizers skip a param whose grad is
- * None. Every rank must pass the same flags.
+ * None. Every rank must pass the same flags. A reduce with no flag set (recvcount 0) still
+ * counts as one of the group's micro-steps.
  *
  * @p op and @p scalar are the job's reduce-scatter op; @p post is the divide the job applies
  * to the collective's output afterwards (FSDP2's fp16 and force_sum paths, an MPI job's

@@ -1824,6 +1824,90 @@ static void test_hsdp_big_tail(void)
     PMPI_Comm_free(&rc);
 }
 
+/* A group that gets no gradient in a window. Two groups a and b of one [4] fp32 AdamW param
+ * each (tail owner). Eager, accumulating 2: b's second micro-step reduces with no param
+ * flagged; it still counts, so b steps at the window's end with a (2 group steps, not 1).
+ * Lazy: in iteration 1 only a reduces; a's reduce in iteration 2 would merge two windows into
+ * one step and is refused alike on every rank, naming b. */
+static mfsdp_ctx_h skip_ctx(mfsdp_manifest_t **m_p, mfsdp_step_mode_t mode, int accum)
+{
+    const char *js = "{\"format\": \"mfsdp-manifest/1\", \"groups\": ["
+                     "{\"name\": \"a\", \"params\": [{\"name\": \"a.n\", \"shape\": [4], "
+                     "\"dtype\": \"float32\"}]}, "
+                     "{\"name\": \"b\", \"params\": [{\"name\": \"b.n\", \"shape\": [4], "
+                     "\"dtype\": \"float32\"}]}]}";
+    char err[256];
+    CHECK_OK(mfsdp_manifest_parse(js, strlen(js), "skip", err, sizeof(err), m_p));
+    mfsdp_ctx_opts_t o;
+    memset(&o, 0, sizeof(o));
+    o.has_plan_opts = 1;
+    o.plan_opts.tail = MFSDP_TAIL_OWNER;
+    o.has_step_mode = 1;
+    o.step_mode = mode;
+    o.accum_steps = accum;
+    mfsdp_ctx_h ctx = NULL;
+    CHECK_OK(create_world(*m_p, &o, &ctx));
+    return ctx;
+}
+
+static void test_skipped_group(void)
+{
+    const size_t S = (size_t)((4 + g_world - 1) / g_world);
+    float *send = calloc(S, sizeof(float)), *recv = calloc(S * (size_t)g_world, sizeof(float));
+    float *in = calloc(S * (size_t)g_world, sizeof(float)), *out = calloc(S, sizeof(float));
+    for (size_t i = 0; i < S * (size_t)g_world; i++) {
+        in[i] = 0.125f * (float)(i + 1);
+    }
+    mfsdp_manifest_t *m = NULL;
+    mfsdp_ctx_h ctx = skip_ctx(&m, MFSDP_STEP_EAGER, 2);
+    const unsigned char none = 0;
+    for (size_t g = 0; g < 2 && ctx != NULL; g++) {
+        CHECK_OK(mfsdp_ctx_allgather(ctx, g, send, recv, S, MFSDP_FLOAT32));
+    }
+    for (int micro = 0; micro < 2 && ctx != NULL; micro++) {
+        CHECK_OK(mfsdp_ctx_reduce(ctx, 1, in, out, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0));
+        /* the empty subset's FSDP buffers hold nothing: count 0 */
+        CHECK_OK(mfsdp_ctx_reduce_params(ctx, 0, micro == 0 ? NULL : &none, in, out,
+                                         micro == 0 ? S : 0, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0,
+                                         1.0));
+    }
+    mfsdp_ctx_stats_t st;
+    CHECK_OK(mfsdp_ctx_get_stats(ctx, &st));
+    CHECK(st.steps == 2,
+          "skipped group, eager: %llu group steps after the window, want 2 (a's "
+          "micro-step without a gradient must count)",
+          (unsigned long long)st.steps);
+    mfsdp_ctx_destroy(&ctx);
+    mfsdp_manifest_free(m);
+
+    ctx = skip_ctx(&m, MFSDP_STEP_LAZY, 1);
+    for (int it = 0; it < 3 && ctx != NULL; it++) {
+        for (size_t g = 0; g < 2; g++) {
+            CHECK_OK(mfsdp_ctx_allgather(ctx, g, send, recv, S, MFSDP_FLOAT32));
+        }
+        if (it < 2) {
+            if (it == 0) {
+                CHECK_OK(mfsdp_ctx_reduce(ctx, 1, in, out, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0));
+            }
+            CHECK_OK(mfsdp_ctx_reduce(ctx, 0, in, out, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0));
+            continue;
+        }
+        capture_begin();
+        mfsdp_status_t rs = mfsdp_ctx_reduce(ctx, 0, in, out, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0);
+        const char *log = capture_end();
+        CHECK(rs == MFSDP_ERR_STATE, "skipped group, lazy: a reduce into a complete window: %s",
+              mfsdp_status_string(rs));
+        CHECK(strstr(log, "because group b did not reduce in that window") != NULL,
+              "skipped group, lazy: message: %s", log);
+    }
+    mfsdp_ctx_destroy(&ctx);
+    mfsdp_manifest_free(m);
+    free(send);
+    free(recv);
+    free(in);
+    free(out);
+}
+
 #ifdef TEST_TRANSPORT_NCCL
 /* MFSDP_TRANSPORT=mpi asks for the MPI transport: refused alike on every rank. */
 static void test_transport_mpi(void)
@@ -1962,6 +2046,7 @@ int main(int argc, char **argv)
     test_hsdp(4001, MFSDP_TAIL_SHARD, 1);
     test_hsdp(4002, MFSDP_TAIL_JOB, 1);
     test_hsdp_big_tail();
+    test_skipped_group();
 
 #ifdef TEST_TRANSPORT_NCCL
 done:
