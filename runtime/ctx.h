@@ -99,6 +99,10 @@ struct mfsdp_ctx {
     uint64_t allgathers;
     uint64_t reduces;
     double step_seconds; /* wall time inside owner optimizer steps */
+    /* During a round of steps (lazy, manual, flush): the job's optimizer step the schedule
+     * follows, the most steps any group has taken (a group that skipped a window does not lag
+     * the schedule); -1 outside (eager: the group's own count). */
+    int64_t round_t;
     double last_norm;
     struct mfsdp_ckpt_ctx *ckpt; /* checkpoints (runtime/checkpoint.c); NULL until used */
 };

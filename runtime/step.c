@@ -68,9 +68,11 @@ static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g)
                    gd->name);
         return MFSDP_ERR_STATE;
     }
-    /* The schedule's factor at this group's step, or the job's own (the companion). */
+    /* The schedule's factor at the job's step (in a round of steps, the round's; an eager step,
+     * this group's own count), or the job's own factor (the companion). */
+    int64_t job_t = ctx->round_t >= 0 ? ctx->round_t : gst->nsteps;
     double factor =
-        ctx->lr_factor_set ? ctx->lr_factor : mfsdp_schedule_factor(&ctx->hp.schedule, gst->nsteps);
+        ctx->lr_factor_set ? ctx->lr_factor : mfsdp_schedule_factor(&ctx->hp.schedule, job_t);
     double lr_scale = gd->lr_scale * factor;
     size_t first = ctx->plan->group_first[g];
     mfsdp_muon_hp_t mh = {
@@ -183,12 +185,21 @@ mfsdp_status_t mfsdp_ctx_step_groups(struct mfsdp_ctx *ctx, int min_micro)
             }
         }
     }
+    /* One step of the job: every group follows the schedule at the same t, the most steps any
+     * group has taken (torch's LambdaLR advances for params without a gradient too). */
+    int64_t t = 0;
     for (size_t g = 0; g < ng; g++) {
+        t = ctx->groups[g].nsteps > t ? ctx->groups[g].nsteps : t;
+    }
+    mfsdp_status_t st = MFSDP_OK;
+    ctx->round_t = t;
+    for (size_t g = 0; g < ng && st == MFSDP_OK; g++) {
         if (ctx->groups[g].micro >= min_micro) {
-            MFSDP_CHECK(mfsdp_ctx_step_group(ctx, g));
+            st = mfsdp_ctx_step_group(ctx, g);
         }
     }
-    return MFSDP_OK;
+    ctx->round_t = -1;
+    return st;
 }
 
 /* Lazy trigger: every group that reduces has completed its accumulation window. */

@@ -1828,10 +1828,14 @@ static void test_hsdp_big_tail(void)
  * each (tail owner). Eager, accumulating 2: b's second micro-step reduces with no param
  * flagged; it still counts, so b steps at the window's end with a (2 group steps, not 1).
  * Lazy: in iteration 1 only a reduces; a's reduce in iteration 2 would merge two windows into
- * one step and is refused alike on every rank, naming b. */
+ * one step and is refused alike on every rank, naming b. Manual: b's first step, in the job's
+ * third, follows the schedule at the job's step. */
 static mfsdp_ctx_h skip_ctx(mfsdp_manifest_t **m_p, mfsdp_step_mode_t mode, int accum)
 {
-    const char *js = "{\"format\": \"mfsdp-manifest/1\", \"groups\": ["
+    /* AdamW lr 0.1 under a linear warm-up over 4 steps: f(t) = (t + 1) / 5 */
+    const char *js = "{\"format\": \"mfsdp-manifest/1\", \"optimizer\": {\"adamw\": {\"lr\": "
+                     "0.1}, \"schedule\": {\"kind\": \"warmup-linear\", \"warmup_steps\": 4, "
+                     "\"decay_steps\": 0}}, \"groups\": ["
                      "{\"name\": \"a\", \"params\": [{\"name\": \"a.n\", \"shape\": [4], "
                      "\"dtype\": \"float32\"}]}, "
                      "{\"name\": \"b\", \"params\": [{\"name\": \"b.n\", \"shape\": [4], "
@@ -1899,6 +1903,31 @@ static void test_skipped_group(void)
               mfsdp_status_string(rs));
         CHECK(strstr(log, "because group b did not reduce in that window") != NULL,
               "skipped group, lazy: message: %s", log);
+    }
+    mfsdp_ctx_destroy(&ctx);
+    mfsdp_manifest_free(m);
+
+    /* Manual steps: b gets its first gradient in the job's step 2, so its lr factor is f(2) =
+     * 0.6 (the schedule follows the job's steps, not b's own count, f(0) = 0.2). A first AdamW
+     * step moves each weight by lr x f x g / (|g| + eps), about -0.06 here. */
+    ctx = skip_ctx(&m, MFSDP_STEP_MANUAL, 1);
+    for (int it = 0; it < 3 && ctx != NULL; it++) {
+        for (size_t g = 0; g < 2; g++) {
+            CHECK_OK(mfsdp_ctx_allgather(ctx, g, send, recv, S, MFSDP_FLOAT32));
+        }
+        if (it == 2) {
+            CHECK_OK(mfsdp_ctx_reduce(ctx, 1, in, out, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0));
+        }
+        CHECK_OK(mfsdp_ctx_reduce(ctx, 0, in, out, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0));
+        CHECK_OK(mfsdp_ctx_step(ctx));
+    }
+    mfsdp_param_view_t v;
+    CHECK_OK(mfsdp_ctx_get_param(ctx, "b.n", &v));
+    for (size_t e = 0; v.master != NULL && e < v.local_valid; e++) {
+        CHECK(fabs(v.master[e] + 0.06) < 1e-5,
+              "skipped group, manual: b.n[%zu] = %.7f after its "
+              "first step in the job's step 2, want -0.06",
+              e, (double)v.master[e]);
     }
     mfsdp_ctx_destroy(&ctx);
     mfsdp_manifest_free(m);
