@@ -140,21 +140,21 @@ static mfsdp_status_t reduce_plan(struct mfsdp_ctx *ctx, size_t g, size_t *chunk
     const mfsdp_algo_t algo = ctx->groups[g].reduce_algo;
     const char *gname = ctx->manifest->groups[g].name;
     size_t n = (size_t)ctx->world;
-    size_t kmax = 0, ngrad = 0; /* most owned tensors with a gradient on a rank; all of them */
-    if (n > 1) {
-        size_t *owned = calloc(n, sizeof(*owned));
-        if (owned == NULL) {
-            return MFSDP_ERR_NO_MEMORY;
-        }
-        for (size_t i = 0; i < gs->nsegs; i++) {
-            if (gs->segs[i].rs_entry >= 0) {
-                size_t k = ++owned[gs->segs[i].owner];
-                kmax = k > kmax ? k : kmax;
-                ngrad++;
-            }
-        }
-        free(owned);
+    /* most owned tensors with a gradient on a rank; all of them (at one rank too: the
+     * staging binds the rings whatever the world size) */
+    size_t kmax = 0, ngrad = 0;
+    size_t *owned = calloc(n, sizeof(*owned));
+    if (owned == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
     }
+    for (size_t i = 0; i < gs->nsegs; i++) {
+        if (gs->segs[i].rs_entry >= 0) {
+            size_t k = ++owned[gs->segs[i].owner];
+            kmax = k > kmax ? k : kmax;
+            ngrad++;
+        }
+    }
+    free(owned);
     size_t elt = mfsdp_dtype_size(gs->layout->rs.dtype);
     size_t per = 0, rings = 0, cap = MFSDP_SCHED_MAX_MSG / sizeof(float);
     if (algo == MFSDP_ALGO_DIRECT) {
