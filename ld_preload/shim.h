@@ -199,7 +199,8 @@ mfsdp_status_t shim_ckpt_check_config(const mfsdp_config_t *cfg, const mfsdp_set
 mfsdp_status_t shim_ckpt_start(shim_comm_t *c, char *msg, size_t msglen);
 /* Collective over c, after each remapped all-gather: the periodic save when due.
  * iter_start: 1 when the call opens an iteration (sequence position 0), 0 when it does not,
- * -1 when unknown (no sequence: then every trainable group must have the same step count). */
+ * -1 when unknown (no sequence); except at position 0, every trainable group must have the
+ * same step count for the state to be a boundary. */
 mfsdp_status_t shim_ckpt_after_allgather(shim_comm_t *c, int iter_start, char *msg, size_t msglen);
 /* Collective over c, at its release (no error before): the last save, its commit. */
 mfsdp_status_t shim_ckpt_end(shim_comm_t *c, char *msg, size_t msglen);
