@@ -735,7 +735,10 @@ mfsdp_status_t mfsdp_ctx_save(mfsdp_ctx_h ctx, const char *dir)
     double tw = now();
     st = job_finish(ctx); /* the previous save: its error is reported here */
     cs->stats.wait_seconds = now() - tw;
-    if (st == MFSDP_OK) {
+    /* The pending lazy step, when it is one: every group that trains has completed its
+     * window. Otherwise nothing is stepped (precheck refuses a save inside a window): stepping
+     * the complete groups alone would leave a state an uninterrupted run never reaches. */
+    if (st == MFSDP_OK && (ctx->mode != MFSDP_STEP_LAZY || mfsdp_ctx_lazy_ready(ctx))) {
         st = mfsdp_ctx_flush(ctx);
     }
     if (st == MFSDP_OK) {

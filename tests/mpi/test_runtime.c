@@ -1922,6 +1922,34 @@ static void test_skipped_group(void)
     mfsdp_ctx_destroy(&ctx);
     mfsdp_manifest_free(m);
 
+    /* Lazy, a save inside the window (b reduced, a not yet): refused, and nothing stepped (it
+     * stepped b alone before the refusal, a state no uninterrupted run reaches). */
+    ctx = skip_ctx(&m, MFSDP_STEP_LAZY, 1);
+    if (ctx != NULL) {
+        for (size_t g = 0; g < 2; g++) {
+            CHECK_OK(mfsdp_ctx_allgather(ctx, g, send, recv, S, MFSDP_FLOAT32));
+        }
+        CHECK_OK(mfsdp_ctx_reduce(ctx, 1, in, out, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0));
+        char dir[64];
+        long pid = (long)getpid();
+        PMPI_Bcast(&pid, 1, MPI_LONG, 0, MPI_COMM_WORLD);
+        snprintf(dir, sizeof(dir), "/tmp/mfsdp-skip-save-%ld", pid);
+        capture_begin();
+        mfsdp_status_t sv = mfsdp_ctx_save(ctx, dir);
+        const char *log = capture_end();
+        CHECK(sv == MFSDP_ERR_STATE, "skipped group, lazy: a save inside the window: %s (%s)",
+              mfsdp_status_string(sv), log);
+        CHECK_OK(mfsdp_ctx_get_stats(ctx, &st));
+        CHECK(st.steps == 0, "skipped group, lazy: the refused save stepped %llu group(s)",
+              (unsigned long long)st.steps);
+        PMPI_Barrier(MPI_COMM_WORLD);
+        if (g_rank == 0) {
+            rmdir(dir); /* created empty at most */
+        }
+    }
+    mfsdp_ctx_destroy(&ctx);
+    mfsdp_manifest_free(m);
+
     /* Manual steps: b gets its first gradient in the job's step 2, so its lr factor is f(2) =
      * 0.6 (the schedule follows the job's steps, not b's own count, f(0) = 0.2). A first AdamW
      * step moves each weight by lr x f x g / (|g| + eps), about -0.06 here. */
