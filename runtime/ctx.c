@@ -568,6 +568,10 @@ void mfsdp_ctx_free(struct mfsdp_ctx *ctx)
         return;
     }
     mfsdp_ckpt_ctx_release(ctx); /* joins a pending save (collective when one is pending) */
+    if (ctx->exec != NULL && ctx->exec->ops->sync != NULL) {
+        /* Work still queued on the device (a flush's steps) may use what is freed below. */
+        (void)ctx->exec->ops->sync(ctx->exec);
+    }
     ctx->magic = 0;
     if (ctx->groups != NULL) {
         for (size_t g = 0; g < ctx->manifest->ngroups; g++) {

@@ -25,6 +25,7 @@ struct exec_cuda {
     double *acc; /* device: the sqnorm accumulator, then its workspace */
     void *sq_ws;
     size_t sq_ws_bytes;
+    cudaEvent_t join; /* orders a new stream after the work queued on the previous one */
 };
 
 exec_cuda *of(mfsdp_exec_t *e)
@@ -43,9 +44,31 @@ cudaStream_t stream_of(mfsdp_exec_t *e)
  * muon_workspace asks for this much slack and muon aligns the pointer up. */
 constexpr size_t WS_ALIGN = 256;
 
+/* The context's buffers (arena, staging) are shared by every stream it is handed (a shard
+ * group's and, under HSDP, its replicate all-reduce's; the step's): a new stream first waits
+ * for what was queued on the previous one. A stream being captured into a CUDA graph is
+ * refused: the owners' step decisions (triggers, step counts, the schedule) are taken on the
+ * host at each call, and a replayed graph would repeat them wrongly. */
 mfsdp_status_t cu_set_stream(mfsdp_exec_t *e, void *stream)
 {
-    return mfsdp_cuda_ctx_set_stream(of(e)->cu, stream);
+    exec_cuda *c = of(e);
+    cudaStream_t next = (cudaStream_t)stream, prev = stream_of(e);
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    MFSDP_CUDA_CHECK(cudaStreamIsCapturing(next, &cap));
+    if (cap != cudaStreamCaptureStatusNone) {
+        MFSDP_WARN("a call on a stream that is being captured into a CUDA graph: mfsdp's owner "
+                   "collectives and steps cannot be captured (their decisions are taken on the "
+                   "host at each call); run FSDP's collectives outside the capture");
+        return MFSDP_ERR_UNSUPPORTED;
+    }
+    if (next != prev) {
+        if (c->join == NULL) {
+            MFSDP_CUDA_CHECK(cudaEventCreateWithFlags(&c->join, cudaEventDisableTiming));
+        }
+        MFSDP_CUDA_CHECK(cudaEventRecord(c->join, prev));
+        MFSDP_CUDA_CHECK(cudaStreamWaitEvent(next, c->join, 0));
+    }
+    return mfsdp_cuda_ctx_set_stream(c->cu, stream);
 }
 
 mfsdp_status_t cu_copy(mfsdp_exec_t *e, void *dst, const void *src, size_t bytes)
@@ -264,6 +287,9 @@ void cu_destroy(mfsdp_exec_t *e)
     mfsdp_cuda_ctx_destroy(c->cu); /* waits for the stream first */
     if (c->acc != NULL) {
         cudaFree(c->acc);
+    }
+    if (c->join != NULL) {
+        cudaEventDestroy(c->join);
     }
     free(c);
 }
