@@ -349,6 +349,56 @@ static void test_muon(int64_t rows, int64_t cols)
     free(w), free(mom), free(g), free(wg), free(cws);
 }
 
+/* The executor on two streams: work queued on the first is finished before anything queued
+ * on the second after set_stream (the context's buffers are shared by its streams); a stream
+ * being captured into a CUDA graph is refused. */
+static void test_streams(cudaStream_t s)
+{
+    cudaStream_t s2 = NULL, s3 = NULL;
+    check(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking) == cudaSuccess &&
+              cudaStreamCreateWithFlags(&s3, cudaStreamNonBlocking) == cudaSuccess,
+          "streams for the ordering check");
+    size_t n = (size_t)1 << 24;
+    float *h = hbuf(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) {
+        h[i] = (float)(i % 1000) * 0.5f;
+    }
+    void *x = NULL, *y = NULL, *z = NULL;
+    OK(ge->ops->mem_alloc(ge, n * sizeof(float), &x));
+    OK(ge->ops->mem_alloc(ge, n * sizeof(float), &y));
+    OK(ge->ops->mem_alloc(ge, n * sizeof(float), &z));
+    OK(ge->ops->upload(ge, x, h, n * sizeof(float)));
+    for (int k = 0; k < 20; k++) { /* a long queue on s: y = x scaled by 2, twenty times over */
+        OK(ge->ops->copy(ge, y, x, n * sizeof(float)));
+        OK(ge->ops->scale(ge, (float *)y, n, 2.0f));
+    }
+    OK(ge->ops->set_stream(ge, s2));
+    OK(ge->ops->copy(ge, z, y, n * sizeof(float))); /* on s2: must see s's last scale */
+    float *g = hbuf(n * sizeof(float));
+    down(g, z, n * sizeof(float));
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        bad += g[i] != h[i] * 2.0f;
+    }
+    check(bad == 0, "work on a new stream after set_stream sees the old stream's: %zu wrong", bad);
+    check(cudaStreamBeginCapture(s3, cudaStreamCaptureModeRelaxed) == cudaSuccess,
+          "begin a capture");
+    check(ge->ops->set_stream(ge, s3) == MFSDP_ERR_UNSUPPORTED, "a capturing stream is refused");
+    cudaGraph_t graph = NULL;
+    if (cudaStreamEndCapture(s3, &graph) == cudaSuccess && graph != NULL) {
+        cudaGraphDestroy(graph);
+    }
+    OK(ge->ops->set_stream(ge, s));
+    ge->ops->mem_free(ge, x);
+    ge->ops->mem_free(ge, y);
+    ge->ops->mem_free(ge, z);
+    free(h);
+    free(g);
+    cudaStreamSynchronize(s2);
+    cudaStreamDestroy(s2);
+    cudaStreamDestroy(s3);
+}
+
 int main(void)
 {
     int count = 0;
@@ -387,6 +437,7 @@ int main(void)
     test_sqnorm_adamw(100003);
     test_muon(96, 64);
     test_muon(33, 130);
+    test_streams(s);
     OK(ge->ops->sync(ge));
     ge->ops->destroy(ge);
     ce->ops->destroy(ce);
