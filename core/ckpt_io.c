@@ -71,11 +71,16 @@ static void point(const mfsdp_ckpt_hook_t *h, const char *what, const char *file
     }
 }
 
-/* Whole small file into a NUL-terminated buffer. */
+/* Whole small file into a NUL-terminated buffer. A missing file is MFSDP_ERR_NOT_FOUND,
+ * said only when err is given: the callers without err expect it (a rank's record not written
+ * yet, no `latest`) and say what it means themselves. */
 static mfsdp_status_t read_small(const char *path, size_t max, char **buf_p, size_t *len_p,
                                  char *err, size_t errlen)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0 && errno == ENOENT && err == NULL) {
+        return MFSDP_ERR_NOT_FOUND;
+    }
     if (fd < 0) {
         return cfail(err, errlen, errno == ENOENT ? MFSDP_ERR_NOT_FOUND : MFSDP_ERR_IO,
                      "%s: cannot open: %s", path, strerror(errno));
