@@ -488,6 +488,15 @@ static mfsdp_status_t next_sequence(mfsdp_matcher_t *mt, const mfsdp_call_sig_t 
     if (call->kind == MFSDP_CALL_REDUCE_SCATTER && nsets > 1) {
         char a[256], b[256];
         mfsdp_rs_subset_format_missing(mt->solver[g], sets[0], a, sizeof(a));
+        if (sets[1] == NULL) {
+            snprintf(mt->fail_msg, sizeof(mt->fail_msg),
+                     "call %zu: %s of group %s may be ambiguous: the params without a gradient "
+                     "could be %s, but with more than %d trainable params in the group mfsdp "
+                     "cannot rule out another set of the same count; run under the PyTorch "
+                     "companion (mfsdp-run), whose tags name the params",
+                     mt->ncalls, rb, m->groups[g].name, a, MFSDP_RS_SPLIT_PARAMS);
+            return fail(mt, MFSDP_ERR_SEQUENCE, err, errlen);
+        }
         mfsdp_rs_subset_format_missing(mt->solver[g], sets[1], b, sizeof(b));
         snprintf(mt->fail_msg, sizeof(mt->fail_msg),
                  "call %zu: %s of group %s is ambiguous: the params without a gradient are %s "

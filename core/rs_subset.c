@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include "core/rs_subset.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +16,7 @@ typedef struct cache_entry {
     size_t count;
     size_t nsets;
     unsigned char *sets[2];
+    int unproven; /* one set found among the small ones only (solve_few) */
 } cache_entry_t;
 
 typedef struct trainable {
@@ -147,6 +149,77 @@ static mfsdp_status_t solve_all(mfsdp_rs_subset_t *sv, cache_entry_t *e, size_t 
     return MFSDP_OK;
 }
 
+/* A sum of a half's params and the mask of them. */
+typedef struct half_sum {
+    size_t sum;
+    uint32_t mask;
+} half_sum_t;
+
+static int cmp_half(const void *a, const void *b)
+{
+    const half_sum_t *x = a, *y = b;
+    return x->sum < y->sum ? -1 : x->sum > y->sum;
+}
+
+/* Every set of missing params of up to MFSDP_RS_SPLIT_PARAMS trainable params, meeting in the
+ * middle: the sums of every subset of the second half, sorted, looked up for each subset of
+ * the first (2 x 2^20 sums at most). */
+static mfsdp_status_t solve_split(mfsdp_rs_subset_t *sv, cache_entry_t *e, size_t deficit)
+{
+    size_t h1 = sv->ntrain / 2, h2 = sv->ntrain - h1;
+    size_t n2 = (size_t)1 << h2;
+    half_sum_t *right = malloc(n2 * sizeof(*right));
+    if (right == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    for (size_t mask = 0; mask < n2; mask++) {
+        size_t sum = 0;
+        for (size_t k = 0; k < h2; k++) {
+            sum += mask & ((size_t)1 << k) ? sv->train[h1 + k].s : 0;
+        }
+        right[mask] = (half_sum_t){sum, (uint32_t)mask};
+    }
+    qsort(right, n2, sizeof(*right), cmp_half);
+    mfsdp_status_t st = MFSDP_OK;
+    size_t missing[MFSDP_RS_SPLIT_PARAMS];
+    for (size_t left = 0; left < ((size_t)1 << h1) && e->nsets < 3 && st == MFSDP_OK; left++) {
+        size_t sum = 0;
+        for (size_t k = 0; k < h1; k++) {
+            sum += left & ((size_t)1 << k) ? sv->train[k].s : 0;
+        }
+        if (sum > deficit) {
+            continue;
+        }
+        size_t want = deficit - sum, lo = 0, hi = n2; /* first right sum >= want */
+        while (lo < hi) {
+            size_t mid = lo + (hi - lo) / 2;
+            if (right[mid].sum < want) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        for (size_t r = lo; r < n2 && right[r].sum == want && e->nsets < 3; r++) {
+            size_t n = 0;
+            for (size_t k = 0; k < h1; k++) {
+                if (left & ((size_t)1 << k)) {
+                    missing[n++] = k;
+                }
+            }
+            for (size_t k = 0; k < h2; k++) {
+                if (right[r].mask & ((uint32_t)1 << k)) {
+                    missing[n++] = h1 + k;
+                }
+            }
+            if (n > 0) {
+                st = add_set(sv, e, missing, n);
+            }
+        }
+    }
+    free(right);
+    return st;
+}
+
 /* Sets of 1..MFSDP_RS_MAX_MISSING missing params; sizes ascend, so a partial sum above the
  * deficit ends its loop. */
 static mfsdp_status_t solve_few(mfsdp_rs_subset_t *sv, cache_entry_t *e, size_t deficit)
@@ -197,8 +270,14 @@ mfsdp_status_t mfsdp_rs_subset_find(mfsdp_rs_subset_t *sv, size_t count, size_t 
         if (count == sv->full && count > 0) {
             st = add_set(sv, e, NULL, 0);
         } else if (count > 0 && count < sv->full) {
-            st = sv->ntrain <= MFSDP_RS_ENUM_PARAMS ? solve_all(sv, e, sv->full - count)
-                                                    : solve_few(sv, e, sv->full - count);
+            size_t d = sv->full - count;
+            st = sv->ntrain <= MFSDP_RS_ENUM_PARAMS    ? solve_all(sv, e, d)
+                 : sv->ntrain <= MFSDP_RS_SPLIT_PARAMS ? solve_split(sv, e, d)
+                                                       : solve_few(sv, e, d);
+            if (st == MFSDP_OK && sv->ntrain > MFSDP_RS_SPLIT_PARAMS && e->nsets == 1) {
+                /* Only small sets were searched: a larger one may give the same count. */
+                e->unproven = 1;
+            }
         }
         if (st != MFSDP_OK) {
             free(e->sets[0]);
@@ -207,9 +286,9 @@ mfsdp_status_t mfsdp_rs_subset_find(mfsdp_rs_subset_t *sv, size_t count, size_t 
             return st;
         }
     }
-    *nsets_p = e->nsets > 2 ? 2 : e->nsets;
+    *nsets_p = e->unproven ? 2 : e->nsets > 2 ? 2 : e->nsets;
     sets_p[0] = e->sets[0];
-    sets_p[1] = e->sets[1];
+    sets_p[1] = e->unproven ? NULL : e->sets[1];
     return MFSDP_OK;
 }
 

@@ -9,9 +9,9 @@
 #include "core/layout.h"
 #include "core/rs_subset.h"
 
-static mfsdp_param_desc_t P[20];
+static mfsdp_param_desc_t P[48];
 static mfsdp_group_desc_t G;
-static char names[20][16];
+static char names[48][16];
 
 /* A group of n params; param i has shape (rows[i], 3) (or 1-D when cols[i] == 0). */
 static void group(size_t n, const int64_t *rows, const int64_t *cols)
@@ -93,10 +93,10 @@ Test(rs_subset, every_subset_of_a_small_group_is_found_or_ambiguous)
     mfsdp_rs_subset_destroy(sv);
 }
 
-Test(rs_subset, large_group_up_to_three_missing)
+Test(rs_subset, medium_group_every_set_is_searched)
 {
-    /* 16 params with distinct power-of-two sizes: every subset has its own count, but only
-     * sets of up to 3 missing params are looked for */
+    /* 16 params with distinct power-of-two sizes: every subset has its own count, and every
+     * set of missing params is searched (met in the middle), four missing too */
     int64_t rows[16], cols[16];
     for (size_t i = 0; i < 16; i++) {
         rows[i] = (int64_t)1 << (i % 12); /* world 1: size = rows * cols */
@@ -113,9 +113,99 @@ Test(rs_subset, large_group_up_to_three_missing)
     cr_assert_eq(mfsdp_rs_subset_find(sv, layout_count(1, hg), &nsets, sets), MFSDP_OK);
     cr_assert_eq(nsets, 1);
     cr_expect_eq(memcmp(sets[0], hg, 16), 0);
-    hg[0] = 0; /* four missing: not looked for */
+    hg[0] = 0; /* four missing: found, and alone */
     cr_assert_eq(mfsdp_rs_subset_find(sv, layout_count(1, hg), &nsets, sets), MFSDP_OK);
-    cr_expect_eq(nsets, 0);
+    cr_assert_eq(nsets, 1);
+    cr_expect_eq(memcmp(sets[0], hg, 16), 0);
+    mfsdp_rs_subset_destroy(sv);
+}
+
+Test(rs_subset, four_small_params_against_one_of_their_sum)
+{
+    /* 13 params (above the enumeration limit): four norms of 4 rows and a bias of 16 rows, at
+     * 2 ranks 2 elements each against 8. Without the four norms the count is the bias's
+     * absence's too: ambiguous (it was taken for the bias alone) */
+    static const int64_t rows[13] = {4, 4, 4, 4, 16, 16, 4, 12, 4, 20, 24, 28, 36};
+    static const int64_t cols[13] = {0, 0, 0, 0, 0, 4, 16, 4, 6, 4, 4, 4, 4};
+    group(13, rows, cols);
+    mfsdp_rs_subset_t *sv = NULL;
+    cr_assert_eq(mfsdp_rs_subset_create(&G, 2, &sv), MFSDP_OK);
+    unsigned char hg[13];
+    memset(hg, 1, sizeof(hg));
+    hg[0] = hg[1] = hg[2] = hg[3] = 0;
+    size_t nsets = 0;
+    const unsigned char *sets[2];
+    cr_assert_eq(mfsdp_rs_subset_find(sv, layout_count(2, hg), &nsets, sets), MFSDP_OK);
+    cr_assert_eq(nsets, 2);
+    cr_expect_neq(sets[1], NULL);
+    mfsdp_rs_subset_destroy(sv);
+}
+
+Test(rs_subset, groups_of_14_against_brute_force)
+{
+    /* every mask of a 14-param group with colliding small sizes: the solver's answer (one set,
+     * the right one, or ambiguous) against counting all 2^14 masks */
+    int64_t rows[14], cols[14];
+    for (size_t i = 0; i < 14; i++) {
+        rows[i] = 2 * (int64_t)(1 + (i * 7) % 5); /* world 2: sizes 1..5, many equal sums */
+        cols[i] = 0;
+    }
+    group(14, rows, cols);
+    mfsdp_rs_subset_t *sv = NULL;
+    cr_assert_eq(mfsdp_rs_subset_create(&G, 2, &sv), MFSDP_OK);
+    size_t sz[14], full = mfsdp_rs_subset_full(sv);
+    for (size_t i = 0; i < 14; i++) {
+        sz[i] = (size_t)rows[i] / 2;
+    }
+    static unsigned same[1 << 8];
+    memset(same, 0, sizeof(same));
+    for (unsigned mask = 1; mask < (1u << 14); mask++) {
+        size_t c = 0;
+        for (size_t i = 0; i < 14; i++) {
+            c += (mask >> i) & 1u ? sz[i] : 0;
+        }
+        same[c]++;
+    }
+    for (unsigned mask = 1; mask < (1u << 14); mask += 37) {
+        unsigned char hg[14];
+        size_t c = 0;
+        for (size_t i = 0; i < 14; i++) {
+            hg[i] = (mask >> i) & 1u;
+            c += hg[i] ? sz[i] : 0;
+        }
+        cr_assert_eq(c, c == full ? full : layout_count(2, hg));
+        size_t nsets = 9;
+        const unsigned char *sets[2];
+        cr_assert_eq(mfsdp_rs_subset_find(sv, c, &nsets, sets), MFSDP_OK);
+        cr_assert_eq(nsets, same[c] > 1 ? 2 : 1, "mask %u count %zu: %u masks", mask, c, same[c]);
+        if (same[c] == 1) {
+            cr_assert_eq(memcmp(sets[0], hg, 14), 0, "mask %u", mask);
+        }
+    }
+    mfsdp_rs_subset_destroy(sv);
+}
+
+Test(rs_subset, large_group_one_small_set_is_not_proof)
+{
+    /* 44 params (above the meet-in-the-middle limit): only sets of up to 3 missing params are
+     * searched, so one found there is reported as not proven (sets[1] NULL), never as the set */
+    int64_t rows[44], cols[44];
+    for (size_t i = 0; i < 44; i++) {
+        rows[i] = (int64_t)1 << (i % 20);
+        cols[i] = i < 20 ? 0 : 64 + (int64_t)i;
+    }
+    group(44, rows, cols);
+    mfsdp_rs_subset_t *sv = NULL;
+    cr_assert_eq(mfsdp_rs_subset_create(&G, 1, &sv), MFSDP_OK);
+    unsigned char hg[44];
+    memset(hg, 1, sizeof(hg));
+    hg[5] = 0;
+    size_t nsets = 0;
+    const unsigned char *sets[2];
+    cr_assert_eq(mfsdp_rs_subset_find(sv, layout_count(1, hg), &nsets, sets), MFSDP_OK);
+    cr_assert_eq(nsets, 2);
+    cr_expect_eq(sets[1], NULL);
+    cr_expect_eq(memcmp(sets[0], hg, 44), 0);
     mfsdp_rs_subset_destroy(sv);
 }
 
