@@ -249,6 +249,30 @@ SHIM_EXPORT int mfsdp_shim_grad_sqnorm(int id, double *sq)
     return st == MFSDP_OK ? 0 : fail(st, "mfsdp_shim_grad_sqnorm: %s", mfsdp_status_string(st));
 }
 
+SHIM_EXPORT int mfsdp_shim_zero_grads(int id)
+{
+    int rc;
+    shim_comm_t *c = bound(id, &rc);
+    if (c == NULL) {
+        return rc; /* not bound yet: no gradient held */
+    }
+    mfsdp_status_t st = mfsdp_ctx_zero_grads(c->ctx);
+    pthread_mutex_unlock(&c->lock);
+    return st == MFSDP_OK ? 0 : fail(st, "mfsdp_shim_zero_grads: %s", mfsdp_status_string(st));
+}
+
+SHIM_EXPORT int mfsdp_shim_reload(int id)
+{
+    int rc;
+    shim_comm_t *c = bound(id, &rc);
+    if (c == NULL) {
+        return rc; /* not bound yet: the first all-gather takes the weights anyway */
+    }
+    mfsdp_status_t st = mfsdp_ctx_reload_weights(c->ctx);
+    pthread_mutex_unlock(&c->lock);
+    return st == MFSDP_OK ? 0 : fail(st, "mfsdp_shim_reload: %s", mfsdp_status_string(st));
+}
+
 SHIM_EXPORT int mfsdp_shim_scale_grads(int id, double coef)
 {
     int rc;

@@ -258,6 +258,40 @@ mfsdp_status_t mfsdp_ctx_grad_sqnorm(mfsdp_ctx_h ctx, double *sq_p)
     return MFSDP_OK;
 }
 
+mfsdp_status_t mfsdp_ctx_zero_grads(mfsdp_ctx_h ctx)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    for (size_t g = 0; g < ctx->manifest->ngroups; g++) {
+        mfsdp_group_state_t *gst = &ctx->groups[g];
+        size_t first = ctx->plan->group_first[g], np = ctx->manifest->groups[g].nparams;
+        int any = gst->micro != 0;
+        for (size_t i = 0; i < np && !any; i++) {
+            any = ctx->seen[first + i] != 0;
+        }
+        if (any) { /* a group that stepped last holds zeros already */
+            MFSDP_CHECK(for_each_grad(ctx, g, zero_fn, NULL));
+            memset(ctx->seen + first, 0, np);
+            gst->micro = 0;
+        }
+    }
+    return MFSDP_OK;
+}
+
+mfsdp_status_t mfsdp_ctx_reload_weights(mfsdp_ctx_h ctx)
+{
+    MFSDP_CHECK(mfsdp_ctx_check(ctx));
+    if (ctx->awaiting >= 0) {
+        MFSDP_WARN("reload of the weights: the replicate all-reduce of group %s (HSDP) did not "
+                   "follow its reduce-scatter",
+                   ctx->manifest->groups[ctx->awaiting].name);
+        return MFSDP_ERR_STATE;
+    }
+    for (size_t g = 0; g < ctx->manifest->ngroups; g++) {
+        ctx->groups[g].initialized = 0; /* the next all-gather takes them (allgather.c) */
+    }
+    return MFSDP_OK;
+}
+
 mfsdp_status_t mfsdp_ctx_scale_grads(mfsdp_ctx_h ctx, double coef)
 {
     MFSDP_CHECK(mfsdp_ctx_check(ctx));

@@ -261,6 +261,23 @@ MFSDP_API mfsdp_status_t mfsdp_ctx_grad_sqnorm(mfsdp_ctx_h ctx, double *sq_p);
 MFSDP_API mfsdp_status_t mfsdp_ctx_scale_grads(mfsdp_ctx_h ctx, double coef);
 
 /**
+ * @brief Drop the accumulated gradients this rank holds (set to zero, non-finite values too)
+ *        and restart every group's accumulation window: what the job's zero_grad() does to a
+ *        step it skips (a GradScaler-style inf check, a skipped batch). Every rank must call it
+ *        at the same point. Not collective.
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_zero_grads(mfsdp_ctx_h ctx);
+
+/**
+ * @brief The job loaded new weights into its shards (load_state_dict): the owners take their
+ *        weights from the shards again at each group's next all-gather, as at the first one.
+ *        Optimizer state (momentum, AdamW moments, step counts) is kept, as torch keeps it.
+ *        Every rank must call it at the same point. Not collective.
+ * @return MFSDP_OK, MFSDP_ERR_STATE (a reduce waits for its replicate all-reduce)
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_reload_weights(mfsdp_ctx_h ctx);
+
+/**
  * @brief End the accumulation window now: run the optimizer step of every group that has
  *        at least one accumulated micro-step (Muon on owned matrices, AdamW on the tail).
  *

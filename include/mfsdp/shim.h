@@ -25,7 +25,7 @@ extern "C" {
 #endif
 
 /** ABI version of this interface; the companion refuses a shim with another. */
-#define MFSDP_SHIM_ABI_VERSION 1
+#define MFSDP_SHIM_ABI_VERSION 2
 
 /** What the next collective of this thread is. */
 typedef enum mfsdp_shim_tag_kind {
@@ -99,6 +99,20 @@ int mfsdp_shim_grad_sqnorm(int handle, double *sq);
 
 /** @brief Multiply the owners' accumulated gradients by @p coef (clip_grad_norm_). */
 int mfsdp_shim_scale_grads(int handle, double coef);
+
+/**
+ * @brief Drop the owners' accumulated gradients and restart the accumulation window (the job's
+ *        zero_grad() without a step: a skipped step). A no-op before the first tagged call.
+ *        Since ABI 2.
+ */
+int mfsdp_shim_zero_grads(int handle);
+
+/**
+ * @brief The job loaded new weights into its shards (load_state_dict): the owners take theirs
+ *        from the shards again at each group's next all-gather; optimizer state is kept. A
+ *        no-op before the first tagged call. Since ABI 2.
+ */
+int mfsdp_shim_reload(int handle);
 
 /** @brief This thread's last error message, "" when none. */
 const char *mfsdp_shim_last_error(void);

@@ -7,7 +7,7 @@ namespace: ``ctypes.CDLL(None)`` finds them without knowing the library's path.
 import ctypes
 import os
 
-ABI_VERSION = 1  # MFSDP_SHIM_ABI_VERSION this companion speaks
+ABI_VERSION = 2  # MFSDP_SHIM_ABI_VERSION this companion speaks
 
 TAG_ALLGATHER = 0
 TAG_REDUCE_SCATTER = 1
@@ -65,6 +65,8 @@ class Shim:
         self._step = fn("mfsdp_shim_step", c_int, [c_int, c_double])
         self._sqnorm = fn("mfsdp_shim_grad_sqnorm", c_int, [c_int, ctypes.POINTER(c_double)])
         self._scale = fn("mfsdp_shim_scale_grads", c_int, [c_int, c_double])
+        self._zero = fn("mfsdp_shim_zero_grads", c_int, [c_int])
+        self._reload = fn("mfsdp_shim_reload", c_int, [c_int])
         self._last_error = fn("mfsdp_shim_last_error", ctypes.c_char_p, [])
         if missing:
             raise ShimError("the preloaded mfsdp shim lacks " + ", ".join(missing) +
@@ -101,6 +103,12 @@ class Shim:
 
     def scale_grads(self, handle, coef):
         self._check(self._scale(handle, float(coef)), "mfsdp_shim_scale_grads")
+
+    def zero_grads(self, handle):
+        self._check(self._zero(handle), "mfsdp_shim_zero_grads")
+
+    def reload(self, handle):
+        self._check(self._reload(handle), "mfsdp_shim_reload")
 
 
 def load():

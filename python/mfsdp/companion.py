@@ -57,6 +57,7 @@ class _Root:
                 if roles[pi] == "muon" and fp.sharded_param.requires_grad:
                     self.owned.add(id(fp.sharded_param))
         self.dirty = False  # owners stepped since the last write-back
+        self.optimizer = None  # weakref to the one optimizer that steps this root
 
 
 class Companion:
@@ -80,6 +81,7 @@ class Companion:
             self._hook_optimizer()
             import torch.nn.utils.clip_grad as clip_mod
             patch_clip(clip_mod)
+            patch_split_clip(sys.modules["torch.nn.utils"])
 
     # ---- registration ----------------------------------------------------------------
 
@@ -343,6 +345,70 @@ class Companion:
             comp.on_optimizer_step(optimizer)
         self._step_hook = register_optimizer_step_pre_hook(pre_step)
 
+        # zero_grad() without a step (a skipped batch, an inf check) must drop the owners'
+        # gradients too: they would otherwise flow into the next step.
+        orig_zero = Optimizer.zero_grad
+        if not getattr(orig_zero, "_mfsdp", False):
+            def zero_grad(optimizer, set_to_none=True):
+                orig_zero(optimizer, set_to_none)
+                comp.on_zero_grad(p for g in optimizer.param_groups for p in g["params"])
+            zero_grad._mfsdp = True
+            zero_grad.__doc__ = orig_zero.__doc__
+            Optimizer.zero_grad = zero_grad
+        Module = self.torch.nn.Module
+        orig_mzero = Module.zero_grad
+        if not getattr(orig_mzero, "_mfsdp", False):
+            def module_zero_grad(module, set_to_none=True):
+                orig_mzero(module, set_to_none)
+                comp.on_zero_grad(module.parameters())
+            module_zero_grad._mfsdp = True
+            module_zero_grad.__doc__ = orig_mzero.__doc__
+            Module.zero_grad = module_zero_grad
+
+        # A GradScaler neither sees nor unscales the owners' gradients (they are not in the
+        # params' .grad): its inf check and unscaling would be wrong for them.
+        try:
+            from torch.amp.grad_scaler import GradScaler
+        except ImportError:  # pragma: no cover (torch without torch.amp)
+            GradScaler = None
+        orig_unscale = getattr(GradScaler, "unscale_", None)
+        if orig_unscale is not None and not getattr(orig_unscale, "_mfsdp", False):
+            def unscale_(scaler, optimizer):
+                if comp.roots_of(p for g in optimizer.param_groups for p in g["params"]):
+                    raise CompanionError(
+                        "torch.amp.GradScaler on an optimizer of an FSDP2 root that mfsdp "
+                        "trains: the owners' gradients are not in the params' .grad, so the "
+                        "scaler can neither unscale them nor see their infs; train in bfloat16 "
+                        "without a scaler, or run without mfsdp-run")
+                return orig_unscale(scaler, optimizer)
+            unscale_._mfsdp = True
+            GradScaler.unscale_ = unscale_
+
+    def roots_of(self, params):
+        """The registered roots some of params belong to."""
+        ids = {id(p) for p in params}
+        return [r for r in self.roots if r is not None and not r.params.isdisjoint(ids)]
+
+    def refuse_split_clip(self, name, tensors):
+        """get_total_norm over the gradients, or clip_grads_with_norm_ over the params, of a root
+        whose owners hold gradients the two never see: refused."""
+        ids = {id(t) for t in tensors}
+        for root in self.roots:
+            if root is None or not root.owned:
+                continue
+            mine = {id(p) for p in root.module.parameters()}
+            mine |= {id(p.grad) for p in root.module.parameters() if p.grad is not None}
+            if not mine.isdisjoint(ids):
+                raise CompanionError(
+                    f"torch.nn.utils.{name} over the gradients of an FSDP2 root that mfsdp "
+                    "trains: the owners' gradients are not among them, so the norm and the "
+                    "clipping would leave them out; use torch.nn.utils.clip_grad_norm_, which "
+                    "mfsdp extends to the owners")
+
+    def on_zero_grad(self, params):
+        for root in self.roots_of(params):
+            self.shim.zero_grads(root.handle)
+
     def on_optimizer_step(self, optimizer):
         for root in self.roots:
             if root is None:
@@ -360,12 +426,36 @@ class Companion:
                         f"vs {f} of the initial lr); mfsdp's owners follow one")
             if factor is None:
                 continue
+            self._check_optimizer(root, optimizer)
             self.shim.step(root.handle, factor)
             root.dirty = True
             if root.manifest["world_size"] == 1:
                 # FSDP2's next one-rank unshard copies the local shards: they must hold the
                 # owners' new weights before the next forward.
                 self.sync(root)
+
+    def _check_optimizer(self, root, optimizer):
+        """The owners step every trainable matrix of the root at once, with one lr factor: the
+        root's params must be stepped by one optimizer that holds all its trainable matrices."""
+        import weakref
+        bound = root.optimizer() if root.optimizer is not None else None
+        if bound is optimizer:
+            return
+        if bound is not None:
+            raise CompanionError(
+                "two optimizers step params of one FSDP2 root that mfsdp trains; its owners step "
+                "every matrix of the root at once with one lr factor: put the root's params in "
+                "one optimizer (param groups may differ in weight decay, not in schedule)")
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        missing = root.owned - held
+        if missing:
+            names = [n for n, p in root.module.named_parameters() if id(p) in missing]
+            raise CompanionError(
+                f"{len(missing)} trainable matrices of the FSDP2 root are in no param group of "
+                f"the optimizer that steps it (e.g. {names[0] if names else '?'}); mfsdp's owners "
+                "step every trainable matrix: add it to the optimizer, or freeze it "
+                "(requires_grad=False) before the first forward")
+        root.optimizer = weakref.ref(optimizer)
 
     def _lr_factor(self, optimizer, i, group):
         lr = group["lr"]
@@ -442,6 +532,19 @@ class Companion:
             comp.sync(root)
         for m in modules.values():
             m.register_state_dict_pre_hook(pre_hook)
+
+        # load_state_dict (set_model_state_dict, a checkpoint loaded mid-run) writes the
+        # shards: the owners take their weights from them again, and the shards are the truth
+        # until the next step (no write-back over them).
+        def post_load(module, incompatible):
+            comp.reload(root)
+        root.module.register_load_state_dict_post_hook(post_load)
+
+    def reload(self, root):
+        self.shim.reload(root.handle)
+        root.dirty = False
+        if root.manifest["world_size"] == 1:
+            self._one_rank_fill(root)  # FSDP2 issues no all-gather on one rank
 
     def sync(self, root):
         """Write the owners' weights into the job's local shards (collective over the
@@ -548,6 +651,30 @@ def patch_clip(clip_mod):
     utils = sys.modules.get("torch.nn.utils")
     if utils is not None and getattr(utils, "clip_grad_norm_", None) is orig:
         utils.clip_grad_norm_ = clip_grad_norm_
+
+
+def patch_split_clip(utils):
+    """Replace torch.nn.utils.get_total_norm and clip_grads_with_norm_ (the split form of
+    clipping torchtitan uses; run once torch.nn.utils has executed): a norm and a scaling that
+    never see the owners' gradients are refused over params of a registered root."""
+    for name in ("get_total_norm", "clip_grads_with_norm_"):
+        f = getattr(utils, name, None)
+        if f is not None and not getattr(f, "_mfsdp", False):
+            setattr(utils, name, _refusing(f, name))
+
+
+def _refusing(f, name):
+    def wrapper(tensors, *args, **kwargs):
+        comp = _installed
+        if comp is not None and comp.mode == "tag":
+            import torch
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            comp.refuse_split_clip(name, tensors)
+        return f(tensors, *args, **kwargs)
+    wrapper._mfsdp = True
+    wrapper.__doc__ = f.__doc__
+    wrapper.__wrapped__ = f
+    return wrapper
 
 
 def install(shim=None, mode=None):

@@ -1950,6 +1950,57 @@ static void test_skipped_group(void)
     mfsdp_ctx_destroy(&ctx);
     mfsdp_manifest_free(m);
 
+    /* Manual: a skipped step. A NaN gradient reduced into a, then zero_grads (the job's
+     * zero_grad() without a step): a's gradient is exactly zero and the next step leaves its
+     * weights alone. Then reload_weights: the owners take new shards at the next all-gather. */
+    ctx = skip_ctx(&m, MFSDP_STEP_MANUAL, 1);
+    if (ctx != NULL) {
+        for (size_t g = 0; g < 2; g++) {
+            CHECK_OK(mfsdp_ctx_allgather(ctx, g, send, recv, S, MFSDP_FLOAT32));
+        }
+        float *nan_in = calloc(S * (size_t)g_world, sizeof(float));
+        for (size_t i = 0; i < S * (size_t)g_world; i++) {
+            nan_in[i] = NAN;
+        }
+        CHECK_OK(mfsdp_ctx_reduce(ctx, 0, nan_in, out, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0));
+        CHECK_OK(mfsdp_ctx_zero_grads(ctx));
+        mfsdp_param_view_t a;
+        CHECK_OK(mfsdp_ctx_get_param(ctx, "a.n", &a));
+        for (size_t e = 0; a.grad != NULL && e < a.local_valid; e++) {
+            CHECK(a.grad[e] == 0.0f && !signbit(a.grad[e]),
+                  "skipped step: a.n's gradient[%zu] = %g after zero_grads, want 0", e,
+                  (double)a.grad[e]);
+        }
+        CHECK_OK(mfsdp_ctx_step(ctx));
+        for (size_t e = 0; a.master != NULL && e < a.local_valid; e++) {
+            CHECK(a.master[e] == 0.0f, "skipped step: a.n[%zu] = %g moved after zero_grads", e,
+                  (double)a.master[e]);
+        }
+        for (size_t i = 0; i < S; i++) {
+            send[i] = 3.5f; /* the job loads new weights into its shards */
+        }
+        CHECK_OK(mfsdp_ctx_reload_weights(ctx));
+        for (size_t g = 0; g < 2; g++) {
+            CHECK_OK(mfsdp_ctx_allgather(ctx, g, send, recv, S, MFSDP_FLOAT32));
+        }
+        for (size_t e = 0; a.master != NULL && e < a.local_valid; e++) {
+            CHECK(a.master[e] == 3.5f, "reload: a.n[%zu] = %g, want the loaded 3.5", e,
+                  (double)a.master[e]);
+        }
+        size_t bad = 0;
+        for (size_t i = 0; i < S * (size_t)g_world; i++) {
+            bad += recv[i] != (i < 4 ? 3.5f : 0.0f); /* block-major rows 0..3, then padding */
+        }
+        CHECK(bad == 0, "reload: %zu elements of the all-gather differ from the loaded shards",
+              bad);
+        free(nan_in);
+        for (size_t i = 0; i < S; i++) {
+            send[i] = 0.0f;
+        }
+    }
+    mfsdp_ctx_destroy(&ctx);
+    mfsdp_manifest_free(m);
+
     /* Manual steps: b gets its first gradient in the job's step 2, so its lr factor is f(2) =
      * 0.6 (the schedule follows the job's steps, not b's own count, f(0) = 0.2). A first AdamW
      * step moves each weight by lr x f x g / (|g| + eps), about -0.06 here. */

@@ -48,6 +48,12 @@ class AcceptingShim:
     def scale_grads(self, *a):
         pass
 
+    def zero_grads(self, handle):
+        self.zeroed = getattr(self, "zeroed", []) + [handle]
+
+    def reload(self, handle):
+        self.reloaded = getattr(self, "reloaded", []) + [handle]
+
 
 class PendingShim(AcceptingShim):
     """A shim whose tags are never consumed: the collective did not reach it."""
@@ -205,6 +211,71 @@ def main():
             companion._installed = saved
     expect("bad MFSDP_COMPANION", companion.CompanionError, ["expected tag or manifest"],
            bad_mode)
+    cases += 1
+
+    def fresh():
+        m = model()
+        fully_shard(m, mesh=mesh)
+        fwd_bwd(m)
+        return m
+
+    def two_optimizers():
+        m = fresh()
+        # the matrices in one optimizer, the rest in another: a common Muon set-up
+        opt_a = torch.optim.AdamW([p for p in m.parameters() if p.ndim == 2], lr=1e-3)
+        opt_b = torch.optim.AdamW([p for p in m.parameters() if p.ndim != 2], lr=1e-3)
+        opt_a.step()
+        opt_b.step()
+    expect("two optimizers on one root", companion.CompanionError,
+           ["two optimizers step params of one FSDP2 root"], two_optimizers)
+    cases += 1
+
+    def matrix_left_out():
+        m = fresh()
+        opt = torch.optim.AdamW([p for n, p in m.named_parameters() if n != "2.weight"],
+                                lr=1e-3)
+        opt.step()
+    expect("a trainable matrix in no optimizer", companion.CompanionError,
+           ["in no param group", r"2\.weight"], matrix_left_out)
+    cases += 1
+
+    def grad_scaler():
+        m = fresh()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        torch.amp.GradScaler("cpu").unscale_(opt)
+    expect("GradScaler", companion.CompanionError, ["GradScaler", "owners' gradients"],
+           grad_scaler)
+    cases += 1
+
+    def split_clip():
+        m = fresh()
+        torch.nn.utils.get_total_norm([p.grad for p in m.parameters()])
+    expect("get_total_norm over the root's gradients", companion.CompanionError,
+           ["get_total_norm", "clip_grad_norm_"], split_clip)
+    cases += 1
+
+    # zero_grad without a step drops the owners' gradients (a skipped step must not flow
+    # into the next one); load_state_dict has the owners take the loaded weights.
+    m = fresh()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    root = [r for r in comp.roots if r is not None and r.module is m][0]
+    before = list(getattr(comp.shim, "zeroed", []))
+    opt.zero_grad()
+    m.zero_grad()
+    if getattr(comp.shim, "zeroed", []) != before + [root.handle] * 2:
+        raise SystemExit(f"FAIL: zero_grad did not drop the owners' gradients: "
+                         f"{getattr(comp.shim, 'zeroed', [])}")
+    if dist.get_rank() == 0:
+        print("ok: optimizer.zero_grad() and module.zero_grad() drop the owners' gradients",
+              flush=True)
+    cases += 1
+    root.dirty = True
+    m.load_state_dict(m.state_dict())
+    if getattr(comp.shim, "reloaded", []) != [root.handle] or root.dirty:
+        raise SystemExit(f"FAIL: load_state_dict: reloads {getattr(comp.shim, 'reloaded', [])}"
+                         f", dirty {root.dirty}")
+    if dist.get_rank() == 0:
+        print("ok: load_state_dict has the owners take the loaded weights", flush=True)
     cases += 1
 
     # A job that behaves: registered once, the companion stays quiet.

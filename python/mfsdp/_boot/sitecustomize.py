@@ -17,10 +17,15 @@ def _boot():
             from mfsdp import companion
             companion.patch_clip(module)
 
+        def on_utils(module):
+            from mfsdp import companion
+            companion.patch_split_clip(module)
+
         def on_fsdp(module):
             from mfsdp import companion
             companion.install()
         _importhook.after_import({"torch.nn.utils.clip_grad": on_clip,
+                                  "torch.nn.utils": on_utils,
                                   "torch.distributed.fsdp": on_fsdp})
     _importhook.chain_sitecustomize(here)
 
