@@ -537,8 +537,9 @@ class Companion:
         # shards: the owners take their weights from them again, and the shards are the truth
         # until the next step (no write-back over them).
         def post_load(module, incompatible):
-            comp.reload(root)
-        root.module.register_load_state_dict_post_hook(post_load)
+            comp.reload(root)  # idempotent: a load of the root runs every module's hook
+        for m in modules.values():
+            m.register_load_state_dict_post_hook(post_load)
 
     def reload(self, root):
         self.shim.reload(root.handle)

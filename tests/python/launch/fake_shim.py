@@ -4,7 +4,7 @@
 Every call appends one line to prefix.<rank> (opened in append mode and flushed, so lines
 interleave in issue order with the test NCCL library's FAKE_NCCL_TRACE lines in the same
 file): "register K", "tag H KIND GROUP FLAGS|- NPARAMS", "untag", "step H FACTOR",
-"sqnorm H", "scale H COEF". Registered manifests go to prefix.<rank>.manifest<K>.json and
+"sqnorm H", "scale H COEF", "zero H", "reload H". Registered manifests go to prefix.<rank>.manifest<K>.json and
 the FSDP2 facts of each registered root (per param: padded shard numel, local sharded size,
 FQN) to prefix.<rank>.fsdp<K>.json. It moves no data: with it the job's collectives pass
 through unchanged, owner-managed params just lose their gradient after the reduce.
@@ -55,6 +55,12 @@ class RecordingShim:
 
     def scale_grads(self, handle, coef):
         self._line(f"scale {handle} {coef!r}")
+
+    def zero_grads(self, handle):
+        self._line(f"zero {handle}")
+
+    def reload(self, handle):
+        self._line(f"reload {handle}")
 
 
 def install(prefix):
