@@ -1861,11 +1861,16 @@ typedef struct skip_bufs {
     float *send, *recv, *in, *out;
 } skip_bufs_t;
 
-static void skip_iteration(mfsdp_ctx_h ctx, const skip_bufs_t *b, int reduce_b)
+static void skip_gather(mfsdp_ctx_h ctx, const skip_bufs_t *b)
 {
     for (size_t g = 0; g < 2; g++) {
         CHECK_OK(mfsdp_ctx_allgather(ctx, g, b->send, b->recv, b->S, MFSDP_FLOAT32));
     }
+}
+
+static void skip_iteration(mfsdp_ctx_h ctx, const skip_bufs_t *b, int reduce_b)
+{
+    skip_gather(ctx, b);
     if (reduce_b) {
         CHECK_OK(mfsdp_ctx_reduce(ctx, 1, b->in, b->out, b->S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0));
     }
@@ -1880,11 +1885,12 @@ static void test_skipped_group(void)
     for (size_t i = 0; i < S * (size_t)g_world; i++) {
         in[i] = 0.125f * (float)(i + 1);
     }
+    const skip_bufs_t bufs = {S, send, recv, in, out};
     mfsdp_manifest_t *m = NULL;
     mfsdp_ctx_h ctx = skip_ctx(&m, MFSDP_STEP_EAGER, 2);
     const unsigned char none = 0;
-    for (size_t g = 0; g < 2 && ctx != NULL; g++) {
-        CHECK_OK(mfsdp_ctx_allgather(ctx, g, send, recv, S, MFSDP_FLOAT32));
+    if (ctx != NULL) {
+        skip_gather(ctx, &bufs);
     }
     for (int micro = 0; micro < 2 && ctx != NULL; micro++) {
         CHECK_OK(mfsdp_ctx_reduce(ctx, 1, in, out, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0));
@@ -1902,15 +1908,12 @@ static void test_skipped_group(void)
     mfsdp_ctx_destroy(&ctx);
     mfsdp_manifest_free(m);
 
-    const skip_bufs_t bufs = {S, send, recv, in, out};
     ctx = skip_ctx(&m, MFSDP_STEP_LAZY, 1);
     for (int it = 0; it < 2 && ctx != NULL; it++) {
         skip_iteration(ctx, &bufs, it == 0);
     }
     if (ctx != NULL) {
-        for (size_t g = 0; g < 2; g++) {
-            CHECK_OK(mfsdp_ctx_allgather(ctx, g, send, recv, S, MFSDP_FLOAT32));
-        }
+        skip_gather(ctx, &bufs);
         capture_begin();
         mfsdp_status_t rs = mfsdp_ctx_reduce(ctx, 0, in, out, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0);
         const char *log = capture_end();
@@ -1926,9 +1929,7 @@ static void test_skipped_group(void)
      * stepped b alone before the refusal, a state no uninterrupted run reaches). */
     ctx = skip_ctx(&m, MFSDP_STEP_LAZY, 1);
     if (ctx != NULL) {
-        for (size_t g = 0; g < 2; g++) {
-            CHECK_OK(mfsdp_ctx_allgather(ctx, g, send, recv, S, MFSDP_FLOAT32));
-        }
+        skip_gather(ctx, &bufs);
         CHECK_OK(mfsdp_ctx_reduce(ctx, 1, in, out, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0));
         char dir[64];
         long pid = (long)getpid();
@@ -1955,9 +1956,7 @@ static void test_skipped_group(void)
      * weights alone. Then reload_weights: the owners take new shards at the next all-gather. */
     ctx = skip_ctx(&m, MFSDP_STEP_MANUAL, 1);
     if (ctx != NULL) {
-        for (size_t g = 0; g < 2; g++) {
-            CHECK_OK(mfsdp_ctx_allgather(ctx, g, send, recv, S, MFSDP_FLOAT32));
-        }
+        skip_gather(ctx, &bufs);
         float *nan_in = calloc(S * (size_t)g_world, sizeof(float));
         for (size_t i = 0; i < S * (size_t)g_world; i++) {
             nan_in[i] = NAN;
@@ -1980,9 +1979,7 @@ static void test_skipped_group(void)
             send[i] = 3.5f; /* the job loads new weights into its shards */
         }
         CHECK_OK(mfsdp_ctx_reload_weights(ctx));
-        for (size_t g = 0; g < 2; g++) {
-            CHECK_OK(mfsdp_ctx_allgather(ctx, g, send, recv, S, MFSDP_FLOAT32));
-        }
+        skip_gather(ctx, &bufs);
         for (size_t e = 0; a.master != NULL && e < a.local_valid; e++) {
             CHECK(a.master[e] == 3.5f, "reload: a.n[%zu] = %g, want the loaded 3.5", e,
                   (double)a.master[e]);
