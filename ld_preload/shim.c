@@ -519,6 +519,18 @@ static const char *kind_word(shim_kind_t k)
                                       : "all-reduce";
 }
 
+/* Whether a job resumed from a checkpoint taken at sequence position pos continues there: a
+ * fresh matcher starts at position 0 and can skip optional calls only. */
+static int restart_point(size_t pos)
+{
+    for (size_t k = 0; k < pos && k < shim_manifest->ncalls; k++) {
+        if (!(shim_manifest->sequence[k].flags & MFSDP_CALL_OPTIONAL)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* Remap one identified call on c (its lock held). sync: a tagged weight write-back.
  * iter_start: the call is the first of an iteration (1), is not (0), unknown (-1). */
 static shim_result_t execute(shim_comm_t *c, size_t group, const unsigned char *has_grad,
@@ -892,8 +904,9 @@ shim_result_t shim_dispatch(shim_comm_t *c, const shim_call_t *call, mfsdp_statu
         res = SHIM_ERROR;
         goto out;
     }
-    res = execute(c, match.group, call->kind == SHIM_REDUCE_SCATTER ? match.has_grad : NULL, call,
-                  0, 0, match.position == MFSDP_GROUP_NONE ? -1 : match.position == 0, st_p);
+    res =
+        execute(c, match.group, call->kind == SHIM_REDUCE_SCATTER ? match.has_grad : NULL, call, 0,
+                0, match.position == MFSDP_GROUP_NONE ? -1 : restart_point(match.position), st_p);
 out:
     pthread_mutex_unlock(&c->lock);
     return res;

@@ -198,9 +198,10 @@ mfsdp_status_t shim_ckpt_check_config(const mfsdp_config_t *cfg, const mfsdp_set
 /* Collective over c, right after its context is created: resume or initialize. */
 mfsdp_status_t shim_ckpt_start(shim_comm_t *c, char *msg, size_t msglen);
 /* Collective over c, after each remapped all-gather: the periodic save when due.
- * iter_start: 1 when the call opens an iteration (sequence position 0), 0 when it does not,
- * -1 when unknown (no sequence); except at position 0, every trainable group must have the
- * same step count for the state to be a boundary. */
+ * iter_start: 1 when the call opens an iteration where a resumed job's matcher can pick the
+ * sequence up (position 0, or a position after optional calls only: an eval forward's), 0
+ * when it does not, -1 when unknown (no sequence: then every trainable group must have the
+ * same step count). */
 mfsdp_status_t shim_ckpt_after_allgather(shim_comm_t *c, int iter_start, char *msg, size_t msglen);
 /* Collective over c, at its release (no error before): the last save, its commit. */
 mfsdp_status_t shim_ckpt_end(shim_comm_t *c, char *msg, size_t msglen);

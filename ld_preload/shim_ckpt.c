@@ -263,14 +263,11 @@ static mfsdp_status_t save_if_due(shim_comm_t *c, int at_end, int iter_start, ch
                                   size_t msglen)
 {
     const mfsdp_config_t *cfg = shim_config();
-    if (!(cfg->ckpt_dir_set && cfg->ckpt_dir[0] != '\0')) {
+    /* Only where a resumed job's fresh matcher can pick the sequence up (iter_start 1: position
+     * 0, or a position after optional calls only), or without a sequence (-1). */
+    if (!(cfg->ckpt_dir_set && cfg->ckpt_dir[0] != '\0') || iter_start == 0) {
         return MFSDP_OK;
     }
-    /* At the call that opens an iteration (sequence position 0) the groups' step counts may
-     * differ (groups that skipped steps); at any other all-gather the state is a boundary only
-     * when every trainable group has taken the same steps and none is inside a window. Not
-     * only at position 0: a sequence can open with an optional call (an eval forward's) or
-     * span several iterations, and MFSDP_CKPT_EVERY would silently save less often. */
     int64_t step;
     if (!mfsdp_ckpt_ctx_boundary(c->ctx, iter_start != 1, &step) || step <= c->ckpt_saved) {
         if (at_end && step > c->ckpt_saved) {
