@@ -90,16 +90,18 @@ def run_job(args, tmp, tag, extra, env_vars, expect_ok=True, each_rank=False):
 
 def run_failing(cmd, env, log):
     """Run a job that is expected to fail. Open MPI 4.1's mpirun itself sometimes dies with
-    SIGSEGV in its help-message forwarding when several ranks abort at once (seen about once
-    in ten runs of HSDP refusals); that is the launcher, not the job: run it once more then,
-    saying so, and judge the second run."""
+    SIGSEGV in its help-message or log forwarding when several ranks abort at once (seen about
+    once in ten runs of HSDP refusals, and in a misspelled-variable refusal at 4 ranks, where
+    the crash lost rank 0's error line); that is the launcher, not the job (a job's own failure
+    reaches mpirun's exit status as a positive code): run it once more then, saying so, and
+    judge the second run."""
     import subprocess
     for attempt in (1, 2):
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=150, env=env)
         with open(log, "w") as f:
             f.write(" ".join(cmd) + "\n" + proc.stdout)
-        if proc.returncode >= 0 or "ORTE_ERROR_LOG" not in proc.stdout or attempt == 2:
+        if proc.returncode >= 0 or attempt == 2:
             return proc
         print(f"note: mpirun died with signal {-proc.returncode} (Open MPI's own error "
               "reporting); running the job once more")
