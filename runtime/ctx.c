@@ -413,7 +413,6 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
     ctx->ws = ws != 0 ? (float *)(ctx->stage + stage) : NULL;
     ctx->ws_elems = ws;
     ctx->last_norm = -1.0;
-    ctx->round_t = -1;
     mfsdp_arena_report(ctx->arena, ctx->rank);
     MFSDP_INFO(RUNTIME,
                "rank %d/%d: %zu groups, gather %d, reduce %d, chunk %zu, %s step, accum %d, "

@@ -99,10 +99,6 @@ struct mfsdp_ctx {
     uint64_t allgathers;
     uint64_t reduces;
     double step_seconds; /* wall time inside owner optimizer steps */
-    /* During a round of steps (lazy, manual, flush): the job's optimizer step the schedule
-     * follows, the most steps any group has taken (a group that skipped a window does not lag
-     * the schedule); -1 outside (eager: the group's own count). */
-    int64_t round_t;
     double last_norm;
     struct mfsdp_ckpt_ctx *ckpt; /* checkpoints (runtime/checkpoint.c); NULL until used */
 };
@@ -177,9 +173,10 @@ mfsdp_status_t mfsdp_ctx_bind_reduce(struct mfsdp_ctx *ctx, size_t g, const mfsd
 void mfsdp_ctx_geom(const mfsdp_buffer_layout_t *b, const mfsdp_param_layout_t *e, int world,
                     mfsdp_strided_geom_t *geom);
 
-/* Steps: one group (timed), every group with at least min_micro micro-steps (clipping
- * included), and the lazy trigger. */
-mfsdp_status_t mfsdp_ctx_step_group(struct mfsdp_ctx *ctx, size_t g);
+/* Steps: one group (timed; job_t: the job's step the schedule follows, -1 for the group's
+ * own count), every group with at least min_micro micro-steps (clipping included; one job
+ * step for all), and the lazy trigger. */
+mfsdp_status_t mfsdp_ctx_step_group(struct mfsdp_ctx *ctx, size_t g, int64_t job_t);
 mfsdp_status_t mfsdp_ctx_step_groups(struct mfsdp_ctx *ctx, int min_micro);
 int mfsdp_ctx_lazy_ready(const struct mfsdp_ctx *ctx);
 /* A reduce of group completed (its replicate all-reduce too, under HSDP): count the micro-step

@@ -334,7 +334,7 @@ mfsdp_status_t mfsdp_ctx_reduce_done(struct mfsdp_ctx *ctx, size_t group)
         gst->micro++;
     }
     if (ctx->mode == MFSDP_STEP_EAGER && gst->micro >= ctx->accum) {
-        MFSDP_CHECK(mfsdp_ctx_step_group(ctx, group)); /* eager: no clipping, no collective */
+        MFSDP_CHECK(mfsdp_ctx_step_group(ctx, group, -1)); /* eager: no clipping, no collective */
     }
     return MFSDP_OK;
 }

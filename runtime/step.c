@@ -58,7 +58,16 @@ static mfsdp_status_t zero_fn(struct mfsdp_ctx *ctx, float *grad, size_t n, void
     return ctx->exec->ops->zero(ctx->exec, grad, n * sizeof(float));
 }
 
-static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g)
+/* Group g's accumulation window starts over: its gradients zeroed, no param seen. */
+static mfsdp_status_t window_reset(struct mfsdp_ctx *ctx, size_t g)
+{
+    MFSDP_CHECK(for_each_grad(ctx, g, zero_fn, NULL));
+    memset(ctx->seen + ctx->plan->group_first[g], 0, ctx->manifest->groups[g].nparams);
+    ctx->groups[g].micro = 0;
+    return MFSDP_OK;
+}
+
+static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g, int64_t job_t)
 {
     mfsdp_group_state_t *gst = &ctx->groups[g];
     const mfsdp_group_desc_t *gd = &ctx->manifest->groups[g];
@@ -70,11 +79,10 @@ static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g)
     }
     /* The schedule's factor at the job's step (in a round of steps, the round's; an eager step,
      * this group's own count), or the job's own factor (the companion). */
-    int64_t job_t = ctx->round_t >= 0 ? ctx->round_t : gst->nsteps;
+    job_t = job_t >= 0 ? job_t : gst->nsteps;
     double factor =
         ctx->lr_factor_set ? ctx->lr_factor : mfsdp_schedule_factor(&ctx->hp.schedule, job_t);
     double lr_scale = gd->lr_scale * factor;
-    size_t first = ctx->plan->group_first[g];
     mfsdp_muon_hp_t mh = {
         .lr = (float)(ctx->hp.lr * lr_scale),
         .momentum = (float)ctx->hp.momentum,
@@ -133,9 +141,7 @@ static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g)
                                           mfsdp_ctx_slot(ctx, shard, MFSDP_ARENA_COMM),
                                           gd->params[pi].dtype, valid, t, &ah));
     }
-    MFSDP_CHECK(for_each_grad(ctx, g, zero_fn, NULL));
-    memset(ctx->seen + first, 0, gd->nparams);
-    gst->micro = 0;
+    MFSDP_CHECK(window_reset(ctx, g));
     gst->nsteps++;
     ctx->steps++;
     return MFSDP_OK;
@@ -145,11 +151,11 @@ static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g)
  * micro-steps). With clipping: one scalar all-reduce of the squared norm over them. The
  * selection depends only on call counts, identical on every rank. */
 /* step_group_run() with its wall time added to ctx->step_seconds (mfsdp_ctx_stats_t). */
-mfsdp_status_t mfsdp_ctx_step_group(struct mfsdp_ctx *ctx, size_t g)
+mfsdp_status_t mfsdp_ctx_step_group(struct mfsdp_ctx *ctx, size_t g, int64_t job_t)
 {
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    mfsdp_status_t st = step_group_run(ctx, g);
+    mfsdp_status_t st = step_group_run(ctx, g, job_t);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     ctx->step_seconds += (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
     return st;
@@ -191,15 +197,12 @@ mfsdp_status_t mfsdp_ctx_step_groups(struct mfsdp_ctx *ctx, int min_micro)
     for (size_t g = 0; g < ng; g++) {
         t = ctx->groups[g].nsteps > t ? ctx->groups[g].nsteps : t;
     }
-    mfsdp_status_t st = MFSDP_OK;
-    ctx->round_t = t;
-    for (size_t g = 0; g < ng && st == MFSDP_OK; g++) {
+    for (size_t g = 0; g < ng; g++) {
         if (ctx->groups[g].micro >= min_micro) {
-            st = mfsdp_ctx_step_group(ctx, g);
+            MFSDP_CHECK(mfsdp_ctx_step_group(ctx, g, t));
         }
     }
-    ctx->round_t = -1;
-    return st;
+    return MFSDP_OK;
 }
 
 /* Lazy trigger: every group that reduces has completed its accumulation window. */
@@ -269,9 +272,7 @@ mfsdp_status_t mfsdp_ctx_zero_grads(mfsdp_ctx_h ctx)
             any = ctx->seen[first + i] != 0;
         }
         if (any) { /* a group that stepped last holds zeros already */
-            MFSDP_CHECK(for_each_grad(ctx, g, zero_fn, NULL));
-            memset(ctx->seen + first, 0, np);
-            gst->micro = 0;
+            MFSDP_CHECK(window_reset(ctx, g));
         }
     }
     return MFSDP_OK;
