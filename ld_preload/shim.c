@@ -181,20 +181,17 @@ static void shim_atexit(void)
      * join the summary. One whose release would have saved a checkpoint fails the job. */
     pthread_mutex_lock(&comms_lock);
     for (shim_comm_t *c = comms; c != NULL; c = c->next) {
-        int64_t unsaved = pthread_mutex_trylock(&c->lock) == 0 ? shim_ckpt_unsaved(c) : -2;
-        if (unsaved != -2) {
+        if (pthread_mutex_trylock(&c->lock) == 0) {
+            shim_ckpt_fail_unsaved(c, c->fe == SHIM_MPI
+                                          ? "the job exited without releasing its communicator "
+                                            "(MPI_Comm_free or MPI_Finalize; PyTorch: "
+                                            "dist.destroy_process_group()), so its final "
+                                            "checkpoint was not written"
+                                          : "the job exited without releasing its communicator "
+                                            "(ncclCommDestroy or ncclCommFinalize; PyTorch: "
+                                            "dist.destroy_process_group()), so its final "
+                                            "checkpoint was not written");
             pthread_mutex_unlock(&c->lock);
-        }
-        if (unsaved >= 0) {
-            shim_fatal(c, 0, MFSDP_ERR_STATE,
-                       "the job exited without releasing its communicator (%s), so its final "
-                       "checkpoint was not written: step %lld is not saved to %s (its newest "
-                       "checkpoint is %s%lld); release it before exit (PyTorch: "
-                       "dist.destroy_process_group())",
-                       c->fe == SHIM_MPI ? "MPI_Comm_free or MPI_Finalize"
-                                         : "ncclCommDestroy or ncclCommFinalize",
-                       (long long)unsaved, shim_cfg->ckpt_dir,
-                       c->ckpt_saved < 0 ? "none, " : "step ", (long long)c->ckpt_saved);
         }
         shim_report_keep(c);
         shim_record_keep(c);
@@ -399,16 +396,9 @@ void shim_comm_abandon(shim_comm_t *c)
         }
         return;
     }
-    int64_t unsaved = shim_ckpt_unsaved(c);
-    if (unsaved >= 0) {
-        const mfsdp_config_t *cfg = shim_config();
-        shim_fatal(c, 0, MFSDP_ERR_STATE,
-                   "the communicator was aborted (ncclCommAbort) before its final checkpoint: "
-                   "step %lld is not saved to %s (its newest checkpoint is %s%lld); an aborted "
-                   "communicator runs no collective, so nothing more can be saved",
-                   (long long)unsaved, cfg->ckpt_dir, c->ckpt_saved < 0 ? "none, " : "step ",
-                   (long long)c->ckpt_saved);
-    } else if (c->ctx != NULL && !c->failed && c->remapped_rs > 0 && !shim_quiet()) {
+    shim_ckpt_fail_unsaved(c, "the communicator was aborted (ncclCommAbort) before its final "
+                              "checkpoint, and an aborted communicator runs no collective");
+    if (!c->failed && c->ctx != NULL && c->remapped_rs > 0 && !shim_quiet()) {
         MFSDP_INFO(SHIM, "comm %p aborted: pending optimizer steps, if any, are dropped",
                    c->handle);
     }

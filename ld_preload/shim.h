@@ -208,6 +208,9 @@ mfsdp_status_t shim_ckpt_end(shim_comm_t *c, char *msg, size_t msglen);
 /* With MFSDP_CKPT_DIR set, the owners' step that no checkpoint of it holds yet (what the
  * comm's release would have saved; c->ckpt_saved is the newest saved), else -1. */
 int64_t shim_ckpt_unsaved(const shim_comm_t *c);
+/* When shim_ckpt_unsaved() has a step, fail c (this rank's error) with why followed by which
+ * step is not saved where; c's lock held. */
+void shim_ckpt_fail_unsaved(shim_comm_t *c, const char *why);
 
 /* ---- shim_tag.c ---- */
 

@@ -322,6 +322,17 @@ int64_t shim_ckpt_unsaved(const shim_comm_t *c)
     return step > c->ckpt_saved ? step : -1;
 }
 
+void shim_ckpt_fail_unsaved(shim_comm_t *c, const char *why)
+{
+    int64_t step = shim_ckpt_unsaved(c);
+    if (step >= 0) {
+        shim_fatal(c, 0, MFSDP_ERR_STATE,
+                   "%s: step %lld is not saved to %s (its newest checkpoint is %s%lld)", why,
+                   (long long)step, shim_config()->ckpt_dir, c->ckpt_saved < 0 ? "none, " : "step ",
+                   (long long)c->ckpt_saved);
+    }
+}
+
 mfsdp_status_t shim_ckpt_end(shim_comm_t *c, char *msg, size_t msglen)
 {
     mfsdp_status_t st = save_if_due(c, 1, -1, msg, msglen);
