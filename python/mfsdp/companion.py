@@ -480,13 +480,21 @@ class Companion:
         if isinstance(parameters, torch.Tensor):
             parameters = [parameters]
         parameters = list(parameters)
-        roots = [r for r in self.roots
-                 if r is not None and any(id(p) in r.params for p in parameters)]
+        roots = self.roots_of(parameters)
         if not roots:
             return orig(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
         if len(roots) > 1:
             raise CompanionError("clip_grad_norm_ over params of two FSDP2 roots")
         root = roots[0]
+        # The shim's norm and scale cover every owner-managed gradient of the root: a clip
+        # over part of them would fold the others into the norm and scale them too.
+        left_out = root.owned - {id(p) for p in parameters}
+        if left_out:
+            raise CompanionError(
+                f"clip_grad_norm_ over part of an FSDP2 root's params: {len(left_out)} of its "
+                f"{len(root.owned)} owner-managed matrices are not among them, and mfsdp "
+                "computes and scales the owners' gradients of a root together; clip all of "
+                "the root's params in one call")
         if float(norm_type) != 2.0:
             raise CompanionError(f"clip_grad_norm_(norm_type={norm_type}): mfsdp includes the "
                                  "owners' gradients for the 2-norm only")

@@ -254,6 +254,14 @@ def main():
            ["get_total_norm", "clip_grad_norm_"], split_clip)
     cases += 1
 
+    def part_clip():
+        m = fresh()
+        # the first layer only: the second layer's weight, also owner-managed, left out
+        torch.nn.utils.clip_grad_norm_(list(m[0].parameters()), 1.0)
+    expect("clip_grad_norm_ over part of a root's matrices", companion.CompanionError,
+           ["part of an FSDP2 root", "1 of its 2 owner-managed"], part_clip)
+    cases += 1
+
     # zero_grad without a step drops the owners' gradients (a skipped step must not flow
     # into the next one); load_state_dict has the owners take the loaded weights.
     m = fresh()
