@@ -213,9 +213,20 @@ static mfsdp_status_t parse_one(const cfg_entry_t *e, const char *val, mfsdp_con
         *(size_t *)(base + e->off) = v;
         break;
     }
-    case CFG_STR:
+    case CFG_STR: {
+        unsigned mask;
+        char bad[64];
+        if (strcmp(e->name, "MFSDP_DEBUG_SUBSYS") == 0 &&
+            mfsdp_log_subsys_parse(val, &mask, bad, sizeof(bad)) != 0) {
+            snprintf(err, errlen,
+                     "%s=%s: unknown subsystem '%s' (expected a comma list of " MFSDP_SUBSYS_LIST
+                     ", ^ first to negate)",
+                     e->name, val, bad);
+            return MFSDP_ERR_CONFIG;
+        }
         *(const char **)(base + e->off) = val;
         break;
+    }
     case CFG_ENUM: {
         int idx = enum_index(e->choices, val);
         if (idx < 0) {

@@ -14,6 +14,7 @@
 #include <stddef.h>
 #include <stdio.h>
 
+#include "core/log.h"
 #include "mfsdp/status.h"
 
 /* X(type, NAME, field, default, choices-or-bounds, help)
@@ -22,7 +23,8 @@
     X(ENUM, MFSDP_DEBUG, debug, "WARN", "NONE|WARN|INFO|TRACE",                                    \
       "log level (NCCL_DEBUG semantics)")                                                          \
     X(STR, MFSDP_DEBUG_SUBSYS, debug_subsys, "ALL", "",                                            \
-      "comma list of subsystems to log at INFO/TRACE; a leading ^ negates")                        \
+      "comma list of subsystems to log at INFO/TRACE, of " MFSDP_SUBSYS_LIST "; a leading ^ "      \
+      "negates")                                                                                   \
     X(STR, MFSDP_DEBUG_FILE, debug_file, "", "",                                                   \
       "write logs to this file instead of stderr (%h host, %p pid)")                               \
     X(STR, MFSDP_MANIFEST, manifest, "", "", "manifest (mfsdp-manifest/1 JSON) for the shim")      \

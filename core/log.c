@@ -27,10 +27,13 @@ static const struct {
 };
 #define NSUBSYS (sizeof(subsys_names) / sizeof(subsys_names[0]))
 
-static unsigned parse_subsys(const char *s)
+/* MFSDP_DEBUG_SUBSYS: a comma list of subsystem names (or ALL), a leading ^ negating it.
+ * 0 and *mask_p, or -1 with the first unknown name in bad. */
+int mfsdp_log_subsys_parse(const char *s, unsigned *mask_p, char *bad, size_t badlen)
 {
     if (s == NULL || *s == '\0') {
-        return MFSDP_SUBSYS_ALL;
+        *mask_p = MFSDP_SUBSYS_ALL;
+        return 0;
     }
     int negate = (*s == '^');
     if (negate) {
@@ -45,13 +48,28 @@ static unsigned parse_subsys(const char *s)
             mask = MFSDP_SUBSYS_ALL;
             continue;
         }
-        for (size_t i = 0; i < NSUBSYS; i++) {
-            if (strcasecmp(tok, subsys_names[i].name) == 0) {
-                mask |= subsys_names[i].bit;
-            }
+        size_t i = 0;
+        while (i < NSUBSYS && strcasecmp(tok, subsys_names[i].name) != 0) {
+            i++;
         }
+        if (i == NSUBSYS) {
+            if (bad != NULL && badlen != 0) {
+                snprintf(bad, badlen, "%s", tok);
+            }
+            return -1;
+        }
+        mask |= subsys_names[i].bit;
     }
-    return negate ? ~mask : mask;
+    *mask_p = negate ? ~mask : mask;
+    return 0;
+}
+
+static unsigned parse_subsys(const char *s)
+{
+    unsigned mask;
+    /* An unknown name is refused by the config table (mfsdp_config_get); until then log
+     * everything rather than nothing. */
+    return mfsdp_log_subsys_parse(s, &mask, NULL, 0) == 0 ? mask : MFSDP_SUBSYS_ALL;
 }
 
 /* Expand %h (host) and %p (pid) as NCCL_DEBUG_FILE does. */

@@ -33,6 +33,10 @@ typedef enum mfsdp_log_level {
     X(TUNER, 10)                                                                                   \
     X(PERF, 11)
 
+/* "INIT|ENV|...|PERF|ALL": the names MFSDP_DEBUG_SUBSYS accepts, for help and errors. */
+#define MFSDP_SUBSYS_STR(name, bit) #name "|"
+#define MFSDP_SUBSYS_LIST           MFSDP_SUBSYS_TABLE(MFSDP_SUBSYS_STR) "ALL"
+
 typedef enum mfsdp_subsys {
 #define MFSDP_SUBSYS_ENUM(name, bit) MFSDP_SUBSYS_##name = 1u << (bit),
     MFSDP_SUBSYS_TABLE(MFSDP_SUBSYS_ENUM)
@@ -57,6 +61,9 @@ void mfsdp_log_capture_end(char *buf, size_t len);
 
 /* Re-read MFSDP_DEBUG* (tests and tools that change the environment). */
 void mfsdp_log_reinit(void);
+/* Parse an MFSDP_DEBUG_SUBSYS value (comma list of the names above or ALL, a leading ^
+ * negates): 0 with *mask_p, or -1 with the first unknown name copied to bad. */
+int mfsdp_log_subsys_parse(const char *s, unsigned *mask_p, char *bad, size_t badlen);
 
 #define MFSDP_WARN(...) mfsdp_log(MFSDP_LOG_WARN, MFSDP_SUBSYS_ALL, __FILE__, __LINE__, __VA_ARGS__)
 #define MFSDP_INFO(subsys, ...)                                                                    \

@@ -82,6 +82,8 @@ ParameterizedTestParameters(config, rejects)
         {"MFSDP_TAIL", "middle", "expected one of owner|shard|auto"},
         {"MFSDP_MLOCK", "maybe", "expected a boolean"},
         {"MFSDP_MOMENTUM", "1.5", "expected a finite number"},
+        {"MFSDP_DEBUG_SUBSYS", "RUNTIM", "unknown subsystem 'RUNTIM'"},
+        {"MFSDP_DEBUG_SUBSYS", "^PLAN,SHMI", "unknown subsystem 'SHMI'"},
     };
     return cr_make_param_array(bad_case_t, cases, sizeof(cases) / sizeof(cases[0]));
 }
@@ -97,6 +99,25 @@ ParameterizedTest(bad_case_t *c, config, rejects)
     cr_expect(strstr(err, c->name) != NULL, "message names the variable: %s", err);
     cr_expect(strstr(err, c->expect) != NULL, "message says what is accepted: %s", err);
     cr_expect(memcmp(&cfg, &before, sizeof(cfg)) == 0, "output untouched on failure");
+}
+
+Test(config, debug_subsys)
+{
+    unsigned mask = 0;
+    cr_expect_eq(mfsdp_log_subsys_parse("runtime,SHIM", &mask, NULL, 0), 0);
+    cr_expect_eq(mask, (unsigned)(MFSDP_SUBSYS_RUNTIME | MFSDP_SUBSYS_SHIM));
+    cr_expect_eq(mfsdp_log_subsys_parse("^PLAN", &mask, NULL, 0), 0);
+    cr_expect_eq(mask, ~(unsigned)MFSDP_SUBSYS_PLAN);
+    cr_expect_eq(mfsdp_log_subsys_parse("", &mask, NULL, 0), 0);
+    cr_expect_eq(mask, (unsigned)MFSDP_SUBSYS_ALL);
+    char bad[16] = "";
+    cr_expect_eq(mfsdp_log_subsys_parse("ALL,TUNR", &mask, bad, sizeof(bad)), -1);
+    cr_expect_str_eq(bad, "TUNR");
+    kv_t env[] = {{"MFSDP_DEBUG_SUBSYS", "^plan,ckpt"}, {NULL, NULL}};
+    mfsdp_config_t cfg;
+    char err[256];
+    cr_expect_eq(mfsdp_config_parse(table_lookup, env, &cfg, err, sizeof(err)), MFSDP_OK, "%s",
+                 err);
 }
 
 Test(config, parse_size)
