@@ -298,6 +298,14 @@ mfsdp_status_t mfsdp_ckpt_import_full(const char *in, const mfsdp_manifest_t *ma
 {
     MFSDP_CHECK_ARG(in != NULL && manifest != NULL && out_root != NULL && world >= 1);
     clear(err, errlen);
+    if (manifest->world_size != 0 && manifest->world_size != world) {
+        /* The checkpoint is for the job this manifest describes: a job at another world size
+         * would not accept the manifest either. */
+        return note(err, errlen, MFSDP_ERR_MISMATCH,
+                    "the manifest is for world size %d, not %d: import at --world-size %d, or "
+                    "set (or remove) the manifest's world_size for the job you will run",
+                    manifest->world_size, world, manifest->world_size);
+    }
     mfsdp_st_file_t *f = NULL;
     mfsdp_plan_t *plan = NULL;
     mfsdp_ckpt_layout_t *lay = NULL;

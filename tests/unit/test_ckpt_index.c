@@ -345,6 +345,15 @@ Test(ckpt, import_refuses_what_does_not_fit)
               "%s", err);
     mfsdp_manifest_free(m2);
     free(t2);
+    /* a manifest for another world size (the job it describes would not start at 2) */
+    char t3[sizeof(manifest_json) + 32];
+    snprintf(t3, sizeof(t3), "{\"world_size\":4,%s", manifest_json + 1);
+    cr_assert_eq(mfsdp_manifest_parse(t3, strlen(t3), "m4", NULL, 0, &m2), MFSDP_OK, "%s", t3);
+    err[0] = '\0';
+    cr_assert_eq(mfsdp_ckpt_import_full(full, m2, 2, NULL, out, err, sizeof(err)),
+                 MFSDP_ERR_MISMATCH);
+    cr_assert(strstr(err, "the manifest is for world size 4, not 2") != NULL, "%s", err);
+    mfsdp_manifest_free(m2);
     struct stat sb;
     cr_assert_neq(stat(out, &sb), 0, "nothing written");
     free(out);
