@@ -23,6 +23,10 @@ typedef struct pass {
     size_t *entry;  /* indices into the manifest's sequence */
     size_t fwd_len; /* leading all-gathers with distinct groups */
     size_t base;    /* state index of position 0; position len is the pass end */
+    /* per position 0..len: the job may end there (mfsdp_matcher_end): the pass end, the end
+     * of its forward prefix, and in a sequence of several passes each inner pass start and
+     * the end of the forward prefix that starts there */
+    unsigned char *end_ok;
 } pass_t;
 
 struct mfsdp_matcher {
@@ -92,6 +96,7 @@ void mfsdp_matcher_destroy(mfsdp_matcher_t *mt)
     }
     for (size_t k = 0; k < NPASS_KINDS; k++) {
         free(mt->pass[k].entry);
+        free(mt->pass[k].end_ok);
     }
     free(mt->solver);
     free(mt->rs_s);
@@ -151,6 +156,41 @@ static mfsdp_status_t add_pass(mfsdp_matcher_t *mt, int kind, const size_t *entr
     }
     p->fwd_len = f;
     mt->npasses++;
+    p->end_ok = calloc(len + 1, 1);
+    if (p->end_ok == NULL) {
+        return MFSDP_ERR_NO_MEMORY;
+    }
+    p->end_ok[len] = 1;
+    if (kind != PASS_FORWARD) {
+        p->end_ok[f] = 1;
+    }
+    /* A sequence joined from several passes (training, training, evaluation) may end after
+     * any of them: an inner pass starts where the calls repeat the sequence's forward
+     * prefix (all-gathers of distinct groups, in FSDP's forward order: a backward gathers in
+     * the reverse order), its leading optional entry present or skipped (but not right after
+     * that entry: that pass began one call earlier). A prefix of one group would also match
+     * a lone re-gather in a backward: not used. */
+    size_t skip = f > 0 && (m->sequence[entry[0]].flags & MFSDP_CALL_OPTIONAL) ? 1 : 0;
+    if (kind == PASS_TRAIN && f - skip >= 2) {
+        for (size_t at = 1; at < len; at++) {
+            for (size_t from = 0; from <= skip; from++) {
+                size_t n = f - from;
+                size_t k = 0;
+                while (k < n && at + k < len &&
+                       m->sequence[entry[at + k]].kind == m->sequence[entry[from + k]].kind &&
+                       m->sequence[entry[at + k]].group == m->sequence[entry[from + k]].group) {
+                    k++;
+                }
+                /* without the optional entry: not right after it (the pass started there) */
+                const mfsdp_call_t *prev = &m->sequence[entry[at - 1]],
+                                   *e0 = &m->sequence[entry[0]];
+                if (k == n && (from == 0 || prev->kind != e0->kind || prev->group != e0->group)) {
+                    p->end_ok[at] = 1;
+                    p->end_ok[at + n] = 1;
+                }
+            }
+        }
+    }
     return MFSDP_OK;
 }
 
@@ -611,8 +651,7 @@ mfsdp_status_t mfsdp_matcher_end(const mfsdp_matcher_t *mt, char *err, size_t er
     for (size_t s = 0; s < mt->nstates; s++) {
         const pass_t *p = &mt->pass[mt->state_pass[s]];
         size_t pos = mt->state_pos[s];
-        if (bit_get(mt->live, s) &&
-            (pos == p->len || (p->kind != PASS_FORWARD && pos == p->fwd_len))) {
+        if (bit_get(mt->live, s) && p->end_ok[pos]) {
             return MFSDP_OK;
         }
     }

@@ -306,7 +306,8 @@ def cmd_record(args, tmp):
 
 
 def cmd_mode(args, tmp):
-    flags = ftc.CASES[args.case] + ["--steps", str(ftc.MODE_STEPS)]
+    nsteps = args.steps or ftc.MODE_STEPS
+    flags = ftc.CASES[args.case] + ["--steps", str(nsteps)]
     path = os.path.join(tmp, "manifest.json")
     cmd = mpirun(args, {}) + [exe_of(args)] + ftc.COMMON + ftc.CASES[args.case] + [
         "--steps", "0", "--optim", "none", "--write-manifest", path]
@@ -320,7 +321,7 @@ def cmd_mode(args, tmp):
             f"{', tail job' if args.tail_job else ''}) vs full-matrix Muon")
     ftc.compare(w, ref, ftc.TOL, what)
     a, b = ftc.losses(text), ftc.losses(ref_text)
-    if len(a) != ftc.MODE_STEPS or len(a) != len(b):
+    if len(a) != nsteps or len(a) != len(b):
         raise SystemExit(f"FAIL: {len(a)} and {len(b)} loss lines")
     for x, y in zip(a, b):
         if abs(float(x) - float(y)) > ftc.TOL * max(1.0, abs(float(y))):
@@ -479,6 +480,9 @@ def main():
     ap.add_argument("--case", dest="mode_case", choices=sorted(ftc.CASES),
                     help="mode: the fsdp_train situation")
     ap.add_argument("--tail-job", action="store_true", help="mode: MFSDP_TAIL=job")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="mode: optimizer steps (default 6); one that ends the job inside a "
+                    "sequence of several passes checks that such an end is accepted")
     ap.add_argument("--np", type=int, required=True)
     ap.add_argument("--flavour", choices=["mpi", "nccl"], default="mpi")
     ap.add_argument("--mpirun", required=True)

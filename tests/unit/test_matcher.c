@@ -212,6 +212,39 @@ Test(matcher, sequence_routes_and_wraps)
     mfsdp_manifest_free(m);
 }
 
+/* A sequence of three passes, as a record joins it from a job evaluating every 2 steps:
+ * training (its root all-gather optional: the root stayed unsharded after the last eval),
+ * training, evaluation. A job may end after any of them, or after a forward that starts
+ * one, and nowhere else. */
+Test(matcher, sequence_of_passes_ends_between_them)
+{
+    char seq[4096];
+    snprintf(seq, sizeof(seq),
+             "[%.*s, %.*s, [\"allgather\", \"root\"], [\"allgather\", \"b0\"], "
+             "[\"allgather\", \"b1\"], [\"allgather\", \"b2\"]]",
+             (int)strlen(SEQ_ROOT_OPTIONAL) - 2, SEQ_ROOT_OPTIONAL + 1,
+             (int)strlen(SEQ_DEFAULT) - 2, SEQ_DEFAULT + 1);
+    mfsdp_manifest_t *m = manifest(GROUPS3, NULL, seq);
+    mfsdp_matcher_t *mt = matcher(m, 2);
+    cr_assert_eq(mfsdp_matcher_iteration_calls(mt), 26);
+    char err[1024] = "";
+    /* 2 cycles, each position checked: where an end is accepted */
+    int ok_at[27] = {0};
+    ok_at[0] = ok_at[4] = ok_at[11] = ok_at[15] = ok_at[22] = ok_at[26] = 1;
+    for (int cycle = 0; cycle < 2; cycle++) {
+        for (size_t i = 0; i < 26; i++) {
+            size_t k = i < 22 ? i % 11 : i - 22;
+            next_ok(mt, T_CALLS[k]);
+            int want = ok_at[i + 1];
+            mfsdp_status_t st = mfsdp_matcher_end(mt, err, sizeof(err));
+            cr_expect_eq(st, want ? MFSDP_OK : MFSDP_ERR_SEQUENCE,
+                         "cycle %d: end after sequence position %zu: %s", cycle, i, err);
+        }
+    }
+    mfsdp_matcher_destroy(mt);
+    mfsdp_manifest_free(m);
+}
+
 Test(matcher, sequence_violated)
 {
     mfsdp_manifest_t *m = manifest(GROUPS3, NULL, SEQ_DEFAULT);

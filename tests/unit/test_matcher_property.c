@@ -340,6 +340,10 @@ typedef struct oracle {
     size_t *pentry[3];
     size_t fwd[3];
     int pkind[3]; /* 0 training, 1 no-sync, 2 forward-only */
+    /* training pass: positions inside it where a job may also end (docs/manifest.md: a
+     * sequence of several passes ends after any of them, or after the forward prefix that
+     * starts one) */
+    unsigned char *inner_end;
     /* memo over (pass, pos, i) */
     int32_t *memo;
     uint32_t *memo_gen;
@@ -475,6 +479,27 @@ static void oracle_init(oracle_t *o, const mfsdp_manifest_t *m, int world)
                 exit(2);
             }
         }
+        /* Inner pass starts: the training pass's calls repeat its forward prefix there (all
+         * of it, or without a leading optional entry), when that prefix has at least two
+         * groups. */
+        o->inner_end = calloc(n + 1, 1);
+        size_t f0 = o->fwd[0];
+        size_t lead = f0 > 0 && (m->sequence[0].flags & MFSDP_CALL_OPTIONAL) != 0;
+        for (size_t from = 0; from <= lead && f0 - lead >= 2; from++) {
+            size_t want = f0 - from;
+            for (size_t at = 1; at + want <= n; at++) {
+                size_t same = 0;
+                for (size_t j = 0; j < want; j++) {
+                    const mfsdp_call_t *x = &m->sequence[at + j], *y = &m->sequence[from + j];
+                    same += x->kind == y->kind && x->group == y->group;
+                }
+                int after_lead = m->sequence[at - 1].kind == m->sequence[0].kind &&
+                                 m->sequence[at - 1].group == m->sequence[0].group;
+                if (same == want && !(from == 1 && after_lead)) {
+                    o->inner_end[at] = o->inner_end[at + want] = 1;
+                }
+            }
+        }
         o->stride_i = (n + 1) * 3;
         o->memo = calloc(o->stride_i * (MAXCALLS + 2), sizeof(int32_t));
         o->memo_gen = calloc(o->stride_i * (MAXCALLS + 2), sizeof(uint32_t));
@@ -572,7 +597,8 @@ static int32_t R(oracle_t *o, size_t k, size_t p, size_t i)
         }
     } else {
         const mfsdp_call_t *e = &o->m->sequence[o->pentry[k][p]];
-        if (i == o->n && o->pkind[k] != 2 && p == o->fwd[k]) {
+        if (i == o->n &&
+            ((o->pkind[k] != 2 && p == o->fwd[k]) || (o->pkind[k] == 0 && o->inner_end[p]))) {
             res = combine(o, res, EMPTY_ID);
         }
         if (e->flags & MFSDP_CALL_OPTIONAL) {
