@@ -2939,13 +2939,14 @@ static void usage(FILE *f, const perf_subcmd_t *sub)
         fprintf(f, "run 'mfsdp-perf <subcommand> -h' for its flags\n");
         return;
     }
-    fprintf(f,
-            "usage: mfsdp-perf %s [flags]\n%s\n"
-            "  -n, --iters N              timed runs per case, median reported (default 3)\n"
-            "  -w, --warmup_iters N       untimed runs per case (default 0)\n"
-            "  -c, --check 0|1            verify results (default 1)\n"
-            "  -J, --json                 one JSON object per result line\n%s",
-            sub->name, sub->summary, sub->usage);
+    fprintf(
+        f,
+        "usage: mfsdp-perf %s [flags]\n%s\n"
+        "  -n, --iters N              timed runs per case (1..64), median reported (default 3)\n"
+        "  -w, --warmup_iters N       untimed runs per case (default 0)\n"
+        "  -c, --check 0|1            verify results (default 1)\n"
+        "  -J, --json                 one JSON object per result line\n%s",
+        sub->name, sub->summary, sub->usage);
 }
 
 int main(int argc, char **argv)
@@ -2993,6 +2994,9 @@ int main(int argc, char **argv)
         switch (opt) {
         case 'n':
             bad = parse_int(optarg, 1, &o.iters) != 0 || o.iters > 64;
+            if (bad) {
+                fprintf(stderr, "mfsdp-perf %s: -n takes 1..64 timed runs\n", sub->name);
+            }
             break;
         case 'w':
             bad = parse_int(optarg, 0, &o.warmup) != 0;
