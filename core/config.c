@@ -286,13 +286,29 @@ static pthread_once_t cfg_once = PTHREAD_ONCE_INIT;
 static mfsdp_config_t cfg_global;
 static mfsdp_status_t cfg_status;
 
+static char cfg_err[512];
+
 static void cfg_init(void)
 {
-    char err[512];
-    cfg_status = mfsdp_config_parse(env_lookup, NULL, &cfg_global, err, sizeof(err));
-    if (cfg_status != MFSDP_OK) {
-        MFSDP_WARN("%s", err);
+    cfg_status = mfsdp_config_parse(env_lookup, NULL, &cfg_global, cfg_err, sizeof(cfg_err));
+    char name[128];
+    if (cfg_status == MFSDP_OK && mfsdp_config_unknown(name, sizeof(name))) {
+        /* A misspelt name would leave its setting at the default without a word. */
+        const char *near = mfsdp_config_closest(name);
+        snprintf(cfg_err, sizeof(cfg_err),
+                 "unknown variable %s%s%s%s (mfsdp-plan --env lists them)", name,
+                 near ? " (did you mean " : "", near ? near : "", near ? "?)" : "");
+        cfg_status = MFSDP_ERR_CONFIG;
     }
+    if (cfg_status != MFSDP_OK) {
+        MFSDP_WARN("%s", cfg_err);
+    }
+}
+
+const char *mfsdp_config_error(void)
+{
+    pthread_once(&cfg_once, cfg_init);
+    return cfg_status != MFSDP_OK ? cfg_err : "";
 }
 
 mfsdp_status_t mfsdp_config_get(const mfsdp_config_t **cfg_p)
@@ -331,13 +347,16 @@ static void enum_name(const char *choices, int n, char *out, size_t len)
 mfsdp_status_t mfsdp_config_value(const mfsdp_config_t *cfg, size_t i, const char **name_p,
                                   char *value, size_t len)
 {
-    if (cfg == NULL || i >= NCFG || name_p == NULL || value == NULL || len == 0) {
+    if (i >= NCFG || name_p == NULL || value == NULL || len == 0) {
         return MFSDP_ERR_INVALID_ARG;
     }
     const cfg_entry_t *e = &cfg_table[i];
+    *name_p = e->name; /* named even without values (cfg NULL: a configuration that failed) */
+    if (cfg == NULL) {
+        return MFSDP_ERR_INVALID_ARG;
+    }
     const char *base = (const char *)cfg;
     int set = *(const int *)(base + e->set_off);
-    *name_p = e->name;
     if (!set && e->def[0] == '\0') {
         snprintf(value, len, "(unset)");
         return MFSDP_OK;
@@ -371,8 +390,9 @@ static int known_other(const char *name, size_t n)
 {
     /* Variables of the scripts and tools around the library (scripts/, tests/), which a
      * user's shell may export into a job: not the library's, not typos. */
-    static const char *const other[] = {"MFSDP_ASAN_BUILD_DIR", "MFSDP_VENV", "MFSDP_PYTHON",
-                                        "MFSDP_SIM", "MFSDP_FUZZ_BUILD_DIR"};
+    static const char *const other[] = {
+        "MFSDP_ASAN_BUILD_DIR", "MFSDP_VENV", "MFSDP_PYTHON",      "MFSDP_SIM",
+        "MFSDP_FUZZ_BUILD_DIR", "MFSDP_PERF", "MFSDP_PERF_CORRUPT"};
     if ((n > 11 && strncmp(name, "MFSDP_TEST_", 11) == 0) ||
         (n > 13 && strncmp(name, "MFSDP_DEVICE_", 13) == 0)) {
         return 1;

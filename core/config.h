@@ -20,8 +20,9 @@
 /* X(type, NAME, field, default, choices-or-bounds, help)
  * For INT/DOUBLE, "choices" is "min:max" (either side may be empty). For ENUM the list. */
 #define MFSDP_CONFIG_TABLE(X)                                                                      \
-    X(ENUM, MFSDP_DEBUG, debug, "WARN", "NONE|WARN|INFO|TRACE",                                    \
-      "log level (NCCL_DEBUG semantics)")                                                          \
+    X(ENUM, MFSDP_DEBUG, debug, "WARN", "NONE|VERSION|WARN|INFO|TRACE",                            \
+      "log level (NCCL_DEBUG semantics; NONE and VERSION silence warnings and the summary, "       \
+      "not the errors that stop a job)")                                                           \
     X(STR, MFSDP_DEBUG_SUBSYS, debug_subsys, "ALL", "",                                            \
       "comma list of subsystems to log at INFO/TRACE, of " MFSDP_SUBSYS_LIST "; a leading ^ "      \
       "negates")                                                                                   \
@@ -69,7 +70,7 @@
     X(BOOL, MFSDP_SPREAD, spread, "1", "",                                                         \
       "spread each group's matrices over ranks (avoid reduce incast on one owner)")                \
     X(DOUBLE, MFSDP_LR, lr, "", "0:", "override the manifest's Muon learning rate")                \
-    X(DOUBLE, MFSDP_MOMENTUM, momentum, "", "0:1", "override the Muon momentum (beta)")            \
+    X(DOUBLE, MFSDP_MOMENTUM, momentum, "", "0:1", "override the Muon momentum (beta, below 1)")   \
     X(INT, MFSDP_NS_STEPS, ns_steps, "", "0:100", "override the Newton-Schulz iteration count")    \
     X(DOUBLE, MFSDP_WEIGHT_DECAY, weight_decay, "", "0:", "override the Muon weight decay")        \
     X(BOOL, MFSDP_NESTEROV, nesterov, "", "", "override Nesterov momentum (0/1)")                  \
@@ -104,7 +105,7 @@
     X(STR, MFSDP_INIT, init, "", "",                                                               \
       "the shim loads these full weights (one safetensors file) when it creates the context, "     \
       "instead of taking the job's first all-gather (not with a checkpoint to resume)")            \
-    X(STR, MFSDP_COMPANION, companion, "", "",                                                     \
+    X(ENUM, MFSDP_COMPANION, companion, "", "tag|manifest",                                        \
       "set by the PyTorch companion (mfsdp-run: tag; python -m mfsdp.manifest: manifest): the "    \
       "companion registers the manifest and tags every FSDP2 collective (docs/pytorch.md)")        \
     X(STR, MFSDP_PRELOAD_LIB, preload_lib, "", "",                                                 \
@@ -139,6 +140,7 @@ typedef struct mfsdp_config {
 } mfsdp_config_t;
 
 /* ENUM indices, in the order of their choice lists. */
+enum { MFSDP_CFG_COMPANION_TAG = 0, MFSDP_CFG_COMPANION_MANIFEST = 1 };
 enum { MFSDP_CFG_STEP_EAGER = 0, MFSDP_CFG_STEP_LAZY = 1 };
 enum {
     MFSDP_CFG_TAIL_OWNER = 0,
@@ -182,6 +184,9 @@ mfsdp_status_t mfsdp_config_value(const mfsdp_config_t *cfg, size_t i, const cha
 /* 1 when the environment holds an MFSDP_* variable that is neither in the table nor one of
  * the scripts' own (MFSDP_BUILD_DIR, MFSDP_VENV, MFSDP_TEST_*, ...): its name goes to name. */
 int mfsdp_config_unknown(char *name, size_t len);
+/* Why mfsdp_config_get() failed (a bad value, or an unknown MFSDP_* name, with the closest
+ * known one), or "" when it did not. */
+const char *mfsdp_config_error(void);
 /* The table's name closest to name (a misspelling), or NULL. */
 const char *mfsdp_config_closest(const char *name);
 

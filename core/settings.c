@@ -102,11 +102,23 @@ mfsdp_status_t mfsdp_schedule_parse(const char *text, mfsdp_schedule_t *out, cha
     }
     s.kind = (mfsdp_schedule_kind_t)kind;
     s.decay = kind == MFSDP_SCHEDULE_WARMUP_COSINE ? MFSDP_DECAY_COSINE : MFSDP_DECAY_LINEAR;
+    unsigned seen = 0; /* items given, as in the manifest a key given twice is refused */
     while ((tok = strtok_r(NULL, ",", &save)) != NULL) {
         char *eq = strchr(tok, '=');
         int bad = eq == NULL;
         if (!bad) {
             *eq = '\0';
+            static const char *const items[] = {"warmup", "stable", "decay", "min", "shape"};
+            for (unsigned i = 0; i < 5; i++) {
+                if (strcmp(tok, items[i]) == 0) {
+                    if (seen & (1u << i)) {
+                        *eq = '=';
+                        SETERR("MFSDP_LR_SCHEDULE=%s: '%s' is given twice", text, items[i]);
+                        return MFSDP_ERR_CONFIG;
+                    }
+                    seen |= 1u << i;
+                }
+            }
             const char *v = eq + 1;
             if (strcmp(tok, "warmup") == 0) {
                 bad = parse_i64(v, &s.warmup_steps);
@@ -252,8 +264,13 @@ mfsdp_status_t mfsdp_settings_resolve(const mfsdp_manifest_t *m, const mfsdp_con
     s.hp = m->hp;
     if (cfg->lr_set)
         s.hp.lr = cfg->lr;
-    if (cfg->momentum_set)
+    if (cfg->momentum_set) {
+        if (!(cfg->momentum < 1.0)) { /* the manifest's rule: a β of 1 never forgets */
+            SETERR("MFSDP_MOMENTUM=%.17g: expected a number in [0, 1)", cfg->momentum);
+            return MFSDP_ERR_CONFIG;
+        }
         s.hp.momentum = cfg->momentum;
+    }
     if (cfg->ns_steps_set)
         s.hp.ns_steps = (int)cfg->ns_steps;
     if (cfg->weight_decay_set)
@@ -337,6 +354,11 @@ size_t mfsdp_settings_fingerprint(const mfsdp_manifest_t *m, int world, const mf
 {
     size_t n = 0;
     char v[64];
+    /* The same items on every rank, whatever each one's configuration (a count that differed
+     * would truncate the exchange). First whether the MFSDP_* values parsed at all: a rank
+     * with a bad one has no values to compare. */
+    mfsdp_fp_item_set(&items[n++], "the MFSDP_* configuration",
+                      cfg != NULL ? "valid" : "invalid (see that rank's error)");
     /* The manifest by content (its path may differ per rank), then whether records are on. */
     char *json = NULL;
     if (m != NULL && mfsdp_manifest_to_json(m, &json) == MFSDP_OK) {
@@ -351,11 +373,14 @@ size_t mfsdp_settings_fingerprint(const mfsdp_manifest_t *m, int world, const mf
     mfsdp_fp_item_set(&items[n++], "the communicator size", v);
     mfsdp_fp_item_set(&items[n++], "MFSDP_RECORD (set or not)",
                       cfg != NULL && cfg->record_set ? "set" : "unset");
-    for (size_t i = 0; cfg != NULL && i < mfsdp_config_count() && n < MFSDP_FP_MAX; i++) {
+    char value[4096]; /* a path whole: two that differ only past 255 bytes differ */
+    for (size_t i = 0; i < mfsdp_config_count() && n < MFSDP_FP_MAX; i++) {
         const char *name = NULL;
-        char value[256];
-        if (mfsdp_config_value(cfg, i, &name, value, sizeof(value)) != MFSDP_OK) {
-            continue;
+        if (mfsdp_config_value(cfg, i, &name, value, sizeof(value)) != MFSDP_OK) { /* cfg NULL */
+            if (name == NULL) {
+                continue; /* no entry i: the same on every rank (one table) */
+            }
+            snprintf(value, sizeof(value), "(no value)");
         }
         int local = 0;
         for (size_t k = 0; k < sizeof(local_vars) / sizeof(local_vars[0]); k++) {
@@ -365,7 +390,9 @@ size_t mfsdp_settings_fingerprint(const mfsdp_manifest_t *m, int world, const mf
             mfsdp_fp_item_set(&items[n++], name, value);
         }
     }
-    if (cfg != NULL && cfg->algo_table != NULL && cfg->algo_table[0] != '\0' && n < MFSDP_FP_MAX) {
+    if (cfg == NULL || cfg->algo_table == NULL || cfg->algo_table[0] == '\0') {
+        snprintf(v, sizeof(v), "(unset)");
+    } else {
         /* The table by its rows (the path may differ per node): ranks that would pick other
          * algorithms would post messages their peers never match. */
         mfsdp_algo_table_t t;
@@ -381,6 +408,8 @@ size_t mfsdp_settings_fingerprint(const mfsdp_manifest_t *m, int world, const mf
         } else {
             snprintf(v, sizeof(v), "(unreadable)");
         }
+    }
+    if (n < MFSDP_FP_MAX) {
         mfsdp_fp_item_set(&items[n++], "MFSDP_ALGO_TABLE (its rows)", v);
     }
     return n;
@@ -391,6 +420,19 @@ mfsdp_status_t mfsdp_settings_agree(const mfsdp_fp_item_t *items, size_t n,
 {
     MFSDP_CHECK_ARG(items != NULL && ops != NULL && n <= MFSDP_FP_MAX && ops->world >= 1);
     uint64_t lo[MFSDP_FP_MAX], hi[MFSDP_FP_MAX];
+    /* The count first: exchanging lists of different lengths would truncate or hang (an
+     * mfsdp of another version on one rank). */
+    lo[0] = hi[0] = (uint64_t)n;
+    if (ops->allreduce_u64(ops->arg, lo, 1, 0) != 0 ||
+        ops->allreduce_u64(ops->arg, hi, 1, 1) != 0) {
+        SETERR("exchanging settings with the other ranks failed");
+        return MFSDP_ERR_TRANSPORT;
+    }
+    if (lo[0] != hi[0]) {
+        SETERR("the ranks compare %llu to %llu settings: they run different versions of mfsdp",
+               (unsigned long long)lo[0], (unsigned long long)hi[0]);
+        return MFSDP_ERR_MISMATCH;
+    }
     for (size_t i = 0; i < n; i++) {
         lo[i] = hi[i] = items[i].hash;
     }

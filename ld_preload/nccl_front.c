@@ -104,7 +104,7 @@ static void resolve_all(void)
 static ncclResult_t missing(const char *name)
 {
     static atomic_int said;
-    if (atomic_fetch_add(&said, 1) == 0 && !shim_quiet()) {
+    if (atomic_fetch_add(&said, 1) == 0) {
         fprintf(stderr,
                 "mfsdp: error: %s was called, but the loaded NCCL library defines neither %s nor "
                 "p%s (is libnccl loaded, and is it 2.19 or newer?)\n",
@@ -321,7 +321,7 @@ static shim_comm_t *comm_state(ncclComm_t comm, ncclResult_t *r)
         *r = ncclInternalError;
     }
     if (*r != ncclSuccess) {
-        if (fc != NULL && fr != NULL && !shim_quiet()) {
+        if (fc != NULL && fr != NULL) {
             fprintf(stderr,
                     "mfsdp: error: ncclCommCount/ncclCommUserRank on communicator %p failed "
                     "(%d; size %d, rank %d): the shim cannot track it, so its calls fail\n",

@@ -67,20 +67,14 @@ static void shim_atexit(void);
 static void shim_init_once(void)
 {
     atexit(shim_atexit);
-    char msg[1024] = "";
+    /* A bad value or an unknown MFSDP_* name (a misspelling) is refused by the table. */
     mfsdp_log_capture_begin();
     mfsdp_status_t st = mfsdp_config_get(&shim_cfg);
-    mfsdp_log_capture_end(msg, sizeof(msg));
+    mfsdp_log_capture_end(NULL, 0);
     if (st != MFSDP_OK) {
         shim_cfg = NULL;
-        init_error(st, "%s", msg[0] ? msg : "bad MFSDP_* configuration");
-        return;
-    }
-    char name[128];
-    if (mfsdp_config_unknown(name, sizeof(name))) {
-        const char *near = mfsdp_config_closest(name);
-        init_error(MFSDP_ERR_CONFIG, "unknown variable %s%s%s%s (mfsdp-plan --env lists them)",
-                   name, near ? " (did you mean " : "", near ? near : "", near ? "?)" : "");
+        const char *why = mfsdp_config_error();
+        init_error(st, "%s", why[0] ? why : "bad MFSDP_* configuration");
         return;
     }
     if (shim_cfg->record_set && shim_cfg->manifest_set) {
@@ -94,7 +88,7 @@ static void shim_init_once(void)
         return;
     }
     if (!shim_cfg->manifest_set) {
-        if (getenv("MFSDP_COMPANION") != NULL) {
+        if (shim_cfg->companion_set) {
             if (shim_ckpt_enabled(shim_cfg)) {
                 init_error(MFSDP_ERR_CONFIG,
                            "MFSDP_CKPT_DIR, MFSDP_RESUME and MFSDP_INIT apply to jobs run with "
@@ -485,7 +479,12 @@ static int comm_agree(shim_comm_t *c, const shim_tag_t *tag, const shim_call_t *
     char err[1024];
     mfsdp_status_t st = mfsdp_settings_agree(items, n, &ops, err, sizeof(err));
     if (st != MFSDP_OK) {
-        shim_fatal(c, st == MFSDP_ERR_MISMATCH, st, "%s", err);
+        if (shim_status != MFSDP_OK) {
+            /* This rank's own configuration is bad: its reason, not only that it differs. */
+            shim_fatal(c, 0, shim_status, "%s", shim_err);
+        } else {
+            shim_fatal(c, st == MFSDP_ERR_MISMATCH, st, "%s", err);
+        }
         return 0;
     }
     return 1;
@@ -777,8 +776,8 @@ static shim_result_t grouped_call(shim_comm_t *c, int tagged, const shim_call_t 
         *st_p = c->fail_status;
         return SHIM_ERROR;
     }
-    if (shim_status != MFSDP_OK) {
-        shim_fatal(c, 1, shim_status, "%s", shim_err);
+    if (shim_status != MFSDP_OK) { /* no agreement ran: this rank says why itself */
+        shim_fatal(c, 0, shim_status, "%s", shim_err);
         *st_p = shim_status;
         return SHIM_ERROR;
     }

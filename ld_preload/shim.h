@@ -163,7 +163,7 @@ extern __thread int shim_inside;
 
 /* Stop the remap on c: c fails every later call with st. The message is printed once for the
  * job: by the comm's rank 0 when every rank reaches the same decision (agreed), else by this
- * rank, as "mfsdp: error: ..." (not a WARN line), unless MFSDP_DEBUG=NONE. */
+ * rank, as "mfsdp: error: ..." (not a WARN line), under MFSDP_DEBUG=NONE too. */
 void shim_fatal(shim_comm_t *c, int agreed, mfsdp_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 /* shim_fatal of an error that every shard group of an HSDP mesh reaches alike (on c, a shard
@@ -176,7 +176,7 @@ void shim_fatal_mesh(shim_comm_t *c, const shim_comm_t *replicate, mfsdp_status_
 int shim_report_exit(int world_rank);
 /* Counters of released comms, kept for the summary. */
 void shim_report_keep(const shim_comm_t *c);
-/* 1 when messages are silenced (MFSDP_DEBUG=NONE). */
+/* 1 when warnings and the summary are silenced (MFSDP_DEBUG=NONE or VERSION). */
 int shim_quiet(void);
 
 /* ---- shim_record.c ---- */

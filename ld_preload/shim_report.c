@@ -45,7 +45,7 @@ static void vfatal(shim_comm_t *c, int agreed, int print, mfsdp_status_t st, con
     c->failed = 1;
     c->fail_status = st;
     snprintf(c->why, sizeof(c->why), "%s", msg);
-    if (shim_quiet() || (agreed && !print)) {
+    if (agreed && !print) { /* errors are printed under MFSDP_DEBUG=NONE too */
         return;
     }
     if (agreed) {
@@ -140,7 +140,7 @@ int shim_report_exit(int world_rank)
     }
     /* A manifest that matched nothing trained nothing: the job must not exit 0. */
     if (manifest && !shim_recording() && !fail && kept.calls > 0 && remapped == 0) {
-        if (world_rank == 0 && !shim_quiet()) {
+        if (world_rank == 0) {
             fprintf(stderr,
                     "mfsdp: error: none of the job's %llu all-gathers and reduce-scatters "
                     "matched the manifest %s: nothing was trained by mfsdp (check its "
@@ -151,10 +151,9 @@ int shim_report_exit(int world_rank)
     }
     /* Started by mfsdp-run, but the PyTorch companion never registered a model: every call
      * passed through and the job trained with its own optimizer. */
-    const char *companion = getenv("MFSDP_COMPANION");
-    if (!manifest && !shim_recording() && !fail && companion != NULL &&
-        strcmp(companion, "tag") == 0 && kept.comms == 0 && kept.calls > 0) {
-        if (world_rank == 0 && !shim_quiet()) {
+    if (!manifest && !shim_recording() && !fail && cfg != NULL && cfg->companion_set &&
+        cfg->companion == MFSDP_CFG_COMPANION_TAG && kept.comms == 0 && kept.calls > 0) {
+        if (world_rank == 0) {
             fprintf(stderr,
                     "mfsdp: error: the job ran under mfsdp-run (MFSDP_COMPANION is set) but the "
                     "PyTorch companion registered no model: its %llu all-gathers and "

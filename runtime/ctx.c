@@ -437,14 +437,39 @@ static int agree_gather(void *arg, const void *mine, size_t bytes, void *all)
     return t->ops->allgather_bytes(t, mine, bytes, all) != MFSDP_OK;
 }
 
+mfsdp_status_t mfsdp_ctx_check_world(const mfsdp_manifest_t *manifest, const mfsdp_ctx_opts_t *opts,
+                                     int world)
+{
+    if (manifest->world_size != 0 && manifest->world_size != world) {
+        MFSDP_WARN("the manifest is for world size %d but the communicator has %d ranks",
+                   manifest->world_size, world);
+        return MFSDP_ERR_MISMATCH;
+    }
+    if (opts != NULL && opts->plan != NULL && opts->plan->world != world) {
+        MFSDP_WARN("the plan is for world size %d but the communicator has %d ranks",
+                   opts->plan->world, world);
+        return MFSDP_ERR_MISMATCH;
+    }
+    return MFSDP_OK;
+}
+
 mfsdp_status_t mfsdp_ctx_agree(mfsdp_transport_t *tp, const mfsdp_manifest_t *manifest, int world,
                                const mfsdp_ctx_opts_t *opts)
 {
-    const mfsdp_config_t *cfg;
-    MFSDP_CHECK(mfsdp_config_get(&cfg));
+    /* A rank whose MFSDP_* values do not parse still takes part (cfg NULL: its fingerprint
+     * says so), so that every rank fails together instead of the others waiting for it. */
+    const mfsdp_config_t *cfg = NULL;
+    mfsdp_status_t cst = mfsdp_config_get(&cfg);
+    if (cst != MFSDP_OK) {
+        cfg = NULL;
+    }
     mfsdp_fp_item_t items[MFSDP_FP_MAX];
     size_t n = mfsdp_settings_fingerprint(manifest, world, cfg, items);
-    if (opts != NULL) {
+    static const mfsdp_ctx_opts_t no_opts; /* NULL: compared as all zero */
+    if (opts == NULL) {
+        opts = &no_opts;
+    }
+    {
         /* The options given in code that shape the wire or the step (the MFSDP_* variables
          * they override are in the fingerprint already): a rank with another staging budget
          * would cut other chunks, another algorithm post other messages. */
@@ -467,8 +492,9 @@ mfsdp_status_t mfsdp_ctx_agree(mfsdp_transport_t *tp, const mfsdp_manifest_t *ma
     mfsdp_status_t st = mfsdp_settings_agree(items, n, &ops, err, sizeof(err));
     if (st != MFSDP_OK) {
         MFSDP_WARN("%s", err);
+        return st;
     }
-    return st;
+    return cst; /* every rank's configuration is bad alike, or none is */
 }
 
 /* What this rank resolved for the wire for group g: its algorithms and the chunks its

@@ -184,11 +184,16 @@ int mfsdp_ctx_lazy_ready(const struct mfsdp_ctx *ctx);
 mfsdp_status_t mfsdp_ctx_reduce_done(struct mfsdp_ctx *ctx, size_t group);
 
 /* Compare every rank's settings fingerprint (manifest, MFSDP_* values, and the options given
- * in code unless opts is NULL: every rank must pass NULL or not alike) over tp: one clear
- * error on every rank (MFSDP_ERR_MISMATCH) instead of a hang or a truncation later.
- * Collective over tp. */
+ * in code, NULL compared as all zero) over tp: one clear error on every rank
+ * (MFSDP_ERR_MISMATCH) instead of a hang or a truncation later. A rank whose MFSDP_* values
+ * do not parse takes part too, so that every rank fails. Collective over tp. */
 mfsdp_status_t mfsdp_ctx_agree(mfsdp_transport_t *tp, const mfsdp_manifest_t *manifest, int world,
                                const mfsdp_ctx_opts_t *opts);
+/* The manifest's and the given plan's world size against the communicator's (after the
+ * agreement, so that every rank decides alike). */
+mfsdp_status_t mfsdp_ctx_check_world(const mfsdp_manifest_t *manifest, const mfsdp_ctx_opts_t *opts,
+                                     int world);
+
 
 /* Everything but the transport: plan, schedules, arena. Not collective. */
 mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_t *manifest,

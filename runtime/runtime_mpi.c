@@ -15,18 +15,6 @@ mfsdp_status_t mfsdp_ctx_create_mpi(const mfsdp_manifest_t *manifest, const mfsd
     int rank = 0;
     MFSDP_MPI_CHECK(MPI_Comm_size(comm, &world));
     MFSDP_MPI_CHECK(MPI_Comm_rank(comm, &rank));
-    /* Checks on rank-identical values first: every rank fails alike, before any
-     * collective. */
-    if (manifest->world_size != 0 && manifest->world_size != world) {
-        MFSDP_WARN("the manifest is for world size %d but the communicator has %d ranks",
-                   manifest->world_size, world);
-        return MFSDP_ERR_MISMATCH;
-    }
-    if (opts != NULL && opts->plan != NULL && opts->plan->world != world) {
-        MFSDP_WARN("the plan is for world size %d but the communicator has %d ranks",
-                   opts->plan->world, world);
-        return MFSDP_ERR_MISMATCH;
-    }
     struct mfsdp_ctx *ctx = calloc(1, sizeof(*ctx));
     if (ctx == NULL) {
         return MFSDP_ERR_NO_MEMORY;
@@ -48,6 +36,11 @@ mfsdp_status_t mfsdp_ctx_create_mpi(const mfsdp_manifest_t *manifest, const mfsd
      * difference is one clear error rather than a hang or a truncated message later. */
     static const mfsdp_ctx_opts_t zero_opts; /* NULL: the same as all zero, on every rank */
     st = mfsdp_ctx_agree(ctx->tp, manifest, world, opts != NULL ? opts : &zero_opts);
+    if (st == MFSDP_OK) {
+        /* After the agreement: the manifest and options are the same on every rank, so every
+         * rank fails these alike (a rank with another manifest was told so above). */
+        st = mfsdp_ctx_check_world(manifest, opts, world);
+    }
     if (st != MFSDP_OK) {
         mfsdp_ctx_free(ctx);
         return st;

@@ -129,8 +129,8 @@ mfsdp_status_t mfsdp_ctx_create_nccl(const mfsdp_manifest_t *manifest, const mfs
                                      ncclComm_t comm, mfsdp_ctx_h *ctx_p)
 {
     MFSDP_CHECK_ARG(manifest != NULL && ctx_p != NULL && comm != NULL);
-    const mfsdp_config_t *cfg;
-    MFSDP_CHECK(mfsdp_config_get(&cfg));
+    const mfsdp_config_t *cfg = NULL; /* a bad configuration fails in the agreement below */
+    (void)mfsdp_config_get(&cfg);
     const mfsdp_nccl_api_t *api;
     MFSDP_CHECK(mfsdp_nccl_api_get(&api));
     struct mfsdp_ctx *ctx = calloc(1, sizeof(*ctx));
@@ -145,20 +145,6 @@ mfsdp_status_t mfsdp_ctx_create_nccl(const mfsdp_manifest_t *manifest, const mfs
     }
     ctx->rank = ctx->tp->rank;
     ctx->world = ctx->tp->world;
-    /* Checks on rank-identical values first: every rank fails alike, before any
-     * collective. */
-    if (manifest->world_size != 0 && manifest->world_size != ctx->world) {
-        MFSDP_WARN("the manifest is for world size %d but the communicator has %d ranks",
-                   manifest->world_size, ctx->world);
-        mfsdp_ctx_free(ctx);
-        return MFSDP_ERR_MISMATCH;
-    }
-    if (opts != NULL && opts->plan != NULL && opts->plan->world != ctx->world) {
-        MFSDP_WARN("the plan is for world size %d but the communicator has %d ranks",
-                   opts->plan->world, ctx->world);
-        mfsdp_ctx_free(ctx);
-        return MFSDP_ERR_MISMATCH;
-    }
     st = make_exec(api, comm, ctx->tp, &ctx->exec);
     if (st != MFSDP_OK) {
         mfsdp_ctx_free(ctx);
@@ -169,6 +155,9 @@ mfsdp_status_t mfsdp_ctx_create_nccl(const mfsdp_manifest_t *manifest, const mfs
      * rather than a hang or a truncated transfer later. */
     static const mfsdp_ctx_opts_t zero_opts; /* NULL: the same as all zero, on every rank */
     st = mfsdp_ctx_agree(ctx->tp, manifest, ctx->world, opts != NULL ? opts : &zero_opts);
+    if (st == MFSDP_OK) {
+        st = mfsdp_ctx_check_world(manifest, opts, ctx->world); /* alike on every rank now */
+    }
     if (st != MFSDP_OK) {
         mfsdp_ctx_free(ctx);
         return st;

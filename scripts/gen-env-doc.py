@@ -15,7 +15,11 @@ test `env_doc` fails when this file and the code disagree.
 
 Types: bool (0/1, true/false, yes/no, on/off), int and float (with the range shown), size
 (bytes with an optional K/M/G/T suffix), enum (one of the values shown, case-insensitive),
-string. A bad value is an error that names the variable and what it accepts.
+string. A bad value is an error that names the variable and what it accepts, and so is an
+unknown `MFSDP_*` name (a misspelling: the closest known name is suggested), for the shim,
+the library's API and the tools alike. Under a job, every rank compares its settings with the
+others' before the first remapped call: a rank whose values differ, or do not parse, stops
+every rank with one error that names what differs (and that rank says why).
 
 ```
 """

@@ -7,6 +7,14 @@
  *   test_agree manifest  the last rank's manifest has a different learning rate
  *   test_agree options   the last rank passes another staging budget in its mfsdp_ctx_opts_t
  *   test_agree same      every rank agrees: creation succeeds
+ *   test_agree badvalue  the last rank has MFSDP_SPREAD=maybe (its configuration fails to
+ *                        parse): it still takes part, every rank fails (no hang)
+ *   test_agree typo      every rank has MFSDP_STAGNG_BYTES (a misspelling): every rank fails
+ *                        with MFSDP_ERR_CONFIG, naming MFSDP_STAGING_BYTES
+ *   test_agree table     only the last rank sets MFSDP_ALGO_TABLE (the others compared one
+ *                        item less: a truncated exchange)
+ *   test_agree world     the last rank's manifest states world_size 99 (it returned before
+ *                        the exchange: the others waited)
  */
 #include <mpi.h>
 #include <stdio.h>
@@ -39,8 +47,30 @@ int main(int argc, char **argv)
     if (strcmp(mode, "tail") == 0) {
         setenv("MFSDP_TAIL", last ? "owner" : "shard", 1);
     }
+    if (strcmp(mode, "badvalue") == 0 && last) {
+        setenv("MFSDP_SPREAD", "maybe", 1);
+    }
+    if (strcmp(mode, "typo") == 0) {
+        setenv("MFSDP_STAGNG_BYTES", "1K", 1);
+    }
+    char table[64];
+    snprintf(table, sizeof(table), "/tmp/mfsdp-agree-%d.csv", (int)getpid());
+    if (strcmp(mode, "table") == 0 && last) {
+        FILE *f = fopen(table, "w");
+        if (f == NULL ||
+            fputs("coll,nranks,min_bytes,max_bytes,algo\nallgather,-1,0,-1,chain\n", f) < 0) {
+            MPI_Abort(MPI_COMM_WORLD, 2);
+        }
+        fclose(f);
+        setenv("MFSDP_ALGO_TABLE", table, 1);
+    }
     double lr = strcmp(mode, "manifest") == 0 && last ? 0.05 : 0.02;
     const char *text = manifest_text(lr);
+    char wtext[600];
+    if (strcmp(mode, "world") == 0 && last) {
+        snprintf(wtext, sizeof(wtext), "{\"world_size\": 99, %s", text + 1);
+        text = wtext;
+    }
     mfsdp_manifest_t *m = NULL;
     char err[256];
     if (mfsdp_manifest_parse(text, strlen(text), "inline", err, sizeof(err), &m) != MFSDP_OK) {
@@ -57,6 +87,22 @@ int main(int argc, char **argv)
     int fail = 0;
     if (strcmp(mode, "same") == 0) {
         fail = st != MFSDP_OK;
+    } else if (strcmp(mode, "typo") == 0) {
+        fail = st != MFSDP_ERR_CONFIG ||
+               strstr(log, "unknown variable MFSDP_STAGNG_BYTES (did you mean "
+                           "MFSDP_STAGING_BYTES?)") == NULL;
+    } else if (strcmp(mode, "badvalue") == 0) {
+        fail = st != MFSDP_ERR_MISMATCH ||
+               strstr(log, "the MFSDP_* configuration differs across ranks: 'valid' on rank") ==
+                   NULL ||
+               (last && strstr(log, "MFSDP_SPREAD=maybe: expected a boolean") == NULL);
+    } else if (strcmp(mode, "table") == 0) {
+        fail = st != MFSDP_ERR_MISMATCH ||
+               strstr(log, "MFSDP_ALGO_TABLE (its rows) differs across ranks: '(unset)' on "
+                           "rank") == NULL;
+        unlink(table);
+    } else if (strcmp(mode, "world") == 0) {
+        fail = st != MFSDP_ERR_MISMATCH || strstr(log, "the manifest differs across ranks") == NULL;
     } else {
         char want[128];
         snprintf(want, sizeof(want), "%s differs across ranks:",

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/config.h"
@@ -84,6 +85,7 @@ ParameterizedTestParameters(config, rejects)
         {"MFSDP_MOMENTUM", "1.5", "expected a finite number"},
         {"MFSDP_DEBUG_SUBSYS", "RUNTIM", "unknown subsystem 'RUNTIM'"},
         {"MFSDP_DEBUG_SUBSYS", "^PLAN,SHMI", "unknown subsystem 'SHMI'"},
+        {"MFSDP_COMPANION", "0", "expected one of tag|manifest"},
     };
     return cr_make_param_array(bad_case_t, cases, sizeof(cases) / sizeof(cases[0]));
 }
@@ -113,11 +115,33 @@ Test(config, debug_subsys)
     char bad[16] = "";
     cr_expect_eq(mfsdp_log_subsys_parse("ALL,TUNR", &mask, bad, sizeof(bad)), -1);
     cr_expect_str_eq(bad, "TUNR");
-    kv_t env[] = {{"MFSDP_DEBUG_SUBSYS", "^plan,ckpt"}, {NULL, NULL}};
+    kv_t env[] = {{"MFSDP_DEBUG_SUBSYS", "^plan,ckpt"}, {"MFSDP_DEBUG", "VERSION"}, {NULL, NULL}};
     mfsdp_config_t cfg;
     char err[256];
     cr_expect_eq(mfsdp_config_parse(table_lookup, env, &cfg, err, sizeof(err)), MFSDP_OK, "%s",
                  err);
+}
+
+/* The process's own environment: an unknown MFSDP_* name fails mfsdp_config_get() itself (the
+ * API and the tools, not only the shim), with the closest known name. */
+Test(config, unknown_name_fails_get)
+{
+    setenv("MFSDP_STAGNG_BYTES", "1K", 1);
+    const mfsdp_config_t *cfg = NULL;
+    cr_assert_eq(mfsdp_config_get(&cfg), MFSDP_ERR_CONFIG);
+    cr_expect(strstr(mfsdp_config_error(),
+                     "unknown variable MFSDP_STAGNG_BYTES (did you mean MFSDP_STAGING_BYTES?)") !=
+                  NULL,
+              "%s", mfsdp_config_error());
+}
+
+Test(config, script_variables_are_known)
+{
+    setenv("MFSDP_PERF", "/x/mfsdp-perf", 1);
+    setenv("MFSDP_PERF_CORRUPT", "1", 1);
+    const mfsdp_config_t *cfg = NULL;
+    cr_assert_eq(mfsdp_config_get(&cfg), MFSDP_OK, "%s", mfsdp_config_error());
+    cr_expect_str_eq(mfsdp_config_error(), "");
 }
 
 Test(config, parse_size)

@@ -200,6 +200,8 @@ Test(settings, schedule_parse)
         "wsd,warmup",                  /* no value */
         "constant,warmup=3",           /* a constant schedule takes none */
         "warmup-linear,decay=3,foo=1", /* unknown item */
+        "wsd,warmup=5,warmup=7",       /* an item given twice: not the last one silently */
+        "wsd,decay=10,shape=cosine,shape=sqrt",
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         err[0] = '\0';
@@ -210,4 +212,32 @@ Test(settings, schedule_parse)
         cr_expect(strstr(err, "MFSDP_LR_SCHEDULE") != NULL, "'%s': message '%s'", bad[i], err);
         cr_expect(memcmp(&s, &before, sizeof(s)) == 0, "'%s': output written on failure", bad[i]);
     }
+}
+
+static const char *one_var(const char *name, void *arg)
+{
+    const char *const *kv = arg;
+    return strcmp(name, kv[0]) == 0 ? kv[1] : NULL;
+}
+
+/* MFSDP_MOMENTUM follows the manifest's rule, [0, 1): a momentum of 1 never decays. */
+Test(settings, momentum_below_one)
+{
+    static const char json[] = "{\"format\": \"mfsdp-manifest/1\", \"groups\": [{\"name\": \"g\", "
+                               "\"params\": [{\"name\": \"w\", \"shape\": [4, 4], \"dtype\": "
+                               "\"float32\"}]}]}";
+    mfsdp_manifest_t *m = NULL;
+    cr_assert_eq(mfsdp_manifest_parse(json, strlen(json), "m", NULL, 0, &m), MFSDP_OK);
+    const char *kv[2] = {"MFSDP_MOMENTUM", "1"};
+    mfsdp_config_t cfg;
+    char err[512] = "";
+    cr_assert_eq(mfsdp_config_parse(one_var, kv, &cfg, err, sizeof(err)), MFSDP_OK, "%s", err);
+    mfsdp_settings_t s;
+    cr_expect_eq(mfsdp_settings_resolve(m, &cfg, &s, err, sizeof(err)), MFSDP_ERR_CONFIG);
+    cr_expect(strstr(err, "MFSDP_MOMENTUM=1: expected a number in [0, 1)") != NULL, "%s", err);
+    kv[1] = "0.9";
+    cr_assert_eq(mfsdp_config_parse(one_var, kv, &cfg, err, sizeof(err)), MFSDP_OK, "%s", err);
+    cr_expect_eq(mfsdp_settings_resolve(m, &cfg, &s, err, sizeof(err)), MFSDP_OK, "%s", err);
+    cr_expect_float_eq(s.hp.momentum, 0.9f, 1e-6);
+    mfsdp_manifest_free(m);
 }
