@@ -77,7 +77,8 @@ static void point(const mfsdp_ckpt_hook_t *h, const char *what, const char *file
 static mfsdp_status_t read_small(const char *path, size_t max, char **buf_p, size_t *len_p,
                                  char *err, size_t errlen)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO must not block: refused
+                                                               below, as any non-regular file */
     if (fd < 0 && errno == ENOENT && err == NULL) {
         return MFSDP_ERR_NOT_FOUND;
     }

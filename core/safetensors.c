@@ -584,7 +584,9 @@ mfsdp_status_t mfsdp_st_open(const char *path, char *err, size_t errlen, mfsdp_s
         free(f);
         return MFSDP_ERR_NO_MEMORY;
     }
-    f->fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: a FIFO (or device) under the name must not block the open; fstat refuses it
+     * below, and on a regular file the flag changes nothing. */
+    f->fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (f->fd < 0) {
         st = fail(path, err, errlen, errno == ENOENT ? MFSDP_ERR_NOT_FOUND : MFSDP_ERR_IO,
                   "cannot open: %s", strerror(errno));

@@ -5,6 +5,7 @@
  * communicator. Every conversion first verifies the source (checksums and headers), so that
  * damaged data is never carried into a new file.
  */
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -93,6 +94,21 @@ static mfsdp_status_t export_fill(void *arg, size_t entry, uint64_t off, void *b
     return mfsdp_ckpt_read_range(s->r, entry, s->state, off, len, buf, NULL, 0);
 }
 
+/* Whether file path would lie in directory dir (both resolved: links, "..", "."). */
+static int inside_dir(const char *path, const char *dir)
+{
+    char *copy = strdup(path);
+    if (copy == NULL) {
+        return 0;
+    }
+    char *slash = strrchr(copy, '/');
+    const char *parent = slash == NULL ? "." : slash == copy ? "/" : (*slash = '\0', copy);
+    char a[PATH_MAX], b[PATH_MAX];
+    int in = realpath(parent, a) != NULL && realpath(dir, b) != NULL && strcmp(a, b) == 0;
+    free(copy);
+    return in;
+}
+
 mfsdp_status_t mfsdp_ckpt_export_full(const char *path, const char *out, int fp32, char *err,
                                       size_t errlen)
 {
@@ -103,6 +119,13 @@ mfsdp_status_t mfsdp_ckpt_export_full(const char *path, const char *out, int fp3
     mfsdp_status_t st;
     MFSDP_CHECK_GOTO(mfsdp_ckpt_reader_open(path, err, errlen, &r), st, out);
     MFSDP_CHECK_GOTO(verify_all(r, err, errlen), st, out);
+    if (inside_dir(out, r->dir)) {
+        /* Its rename would replace a file of the checkpoint being read (a rank's optimizer
+         * state, the index): the source would be lost. */
+        st = MFSDP_ERR_INVALID_ARG;
+        note(err, errlen, st, "%s is inside the checkpoint %s it exports", out, r->dir);
+        goto out;
+    }
     const mfsdp_ckpt_layout_t *lay = r->index->layout;
     e = calloc(lay->ntensors + 1, sizeof(*e));
     if (e == NULL) {

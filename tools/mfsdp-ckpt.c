@@ -56,12 +56,17 @@ static int usage_error(const char *fmt, const char *arg)
     return EXIT_USAGE;
 }
 
+/* One line per failure: the error text, and the first warning the library logged on the way
+ * when the text does not already say it (the planner names the tensor or group at fault). */
 static int fail(const char *err, mfsdp_status_t st)
 {
-    if (err != NULL && err[0] != '\0') {
-        fprintf(stderr, PROG ": %s\n", err);
+    char cause[1024] = "";
+    mfsdp_log_capture_end(cause, sizeof(cause));
+    const char *what = err != NULL && err[0] != '\0' ? err : mfsdp_status_string(st);
+    if (cause[0] != '\0' && strstr(what, cause) == NULL) {
+        fprintf(stderr, PROG ": %s (%s)\n", what, cause);
     } else {
-        fprintf(stderr, PROG ": %s\n", mfsdp_status_string(st));
+        fprintf(stderr, PROG ": %s\n", what);
     }
     return EXIT_INPUT;
 }
@@ -204,13 +209,15 @@ static int cmd_info(const char *dir)
 static int cmd_verify(const char *dir)
 {
     char err[ERRLEN] = "";
-    mfsdp_status_t st = mfsdp_ckpt_verify(dir, err, sizeof(err));
-    if (st != MFSDP_OK) {
-        return fail(err, st);
-    }
+    /* One opening: the directory verified is the one named below, even when a live job
+     * moves the root's latest meanwhile. */
     mfsdp_ckpt_reader_t *r = NULL;
-    st = mfsdp_ckpt_reader_open(dir, err, sizeof(err), &r);
+    mfsdp_status_t st = mfsdp_ckpt_reader_open(dir, err, sizeof(err), &r);
+    for (size_t f = 0; st == MFSDP_OK && f < r->index->nfiles; f++) {
+        st = mfsdp_ckpt_verify_file(r, f, 1, err, sizeof(err));
+    }
     if (st != MFSDP_OK) {
+        mfsdp_ckpt_reader_close(r);
         return fail(err, st);
     }
     uint64_t total = 0;
@@ -239,7 +246,7 @@ int main(int argc, char **argv)
     size_t mem_limit = 0;
     int c;
     opterr = 0;
-    while ((c = getopt_long(argc, argv, "n:t:m:fh", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":n:t:m:fh", opts, NULL)) != -1) {
         switch (c) {
         case 'n':
             if (parse_world(optarg, &world) != 0) {
@@ -264,6 +271,8 @@ int main(int argc, char **argv)
         case 'h':
             fputs(usage_text, stdout);
             return 0;
+        case ':':
+            return usage_error("option '%s' needs a value", argv[optind - 1]);
         default:
             return usage_error("unknown option '%s'", argv[optind - 1]);
         }
@@ -274,8 +283,7 @@ int main(int argc, char **argv)
         return usage_error("%s", "missing command");
     }
     if (getenv("MFSDP_DEBUG") == NULL) {
-        setenv("MFSDP_DEBUG", "NONE", 1); /* one line per failure, from the error text */
-        mfsdp_log_reinit();
+        mfsdp_log_capture_begin(); /* warnings become part of the one line fail() prints */
     }
     const char *cmd = pos[0];
     static const struct {
@@ -314,21 +322,21 @@ int main(int argc, char **argv)
         return cmd_info(pos[1]);
     case 1:
         return cmd_verify(pos[1]);
-    case 2:
-        if (have_mem && !have_tail) {
-            /* --mem-limit alone keeps the stored tail policy */
-            mfsdp_ckpt_reader_t *r = NULL;
-            st = mfsdp_ckpt_reader_open(pos[1], err, sizeof(err), &r);
-            if (st == MFSDP_OK) {
-                po.tail = r->index->meta.tail;
-            }
-            mfsdp_ckpt_reader_close(r);
-        }
+    case 2: {
+        /* The step directory resolved once (a root's latest can move under a live job): the
+         * tail policy kept by --mem-limit alone and the reshard read the same checkpoint. */
+        mfsdp_ckpt_reader_t *r = NULL;
+        st = mfsdp_ckpt_reader_open(pos[1], err, sizeof(err), &r);
         if (st == MFSDP_OK) {
-            st = mfsdp_ckpt_reshard(pos[1], world, have_tail || have_mem ? &po : NULL, pos[2], err,
+            if (have_mem && !have_tail) {
+                po.tail = r->index->meta.tail; /* --mem-limit alone keeps the stored policy */
+            }
+            st = mfsdp_ckpt_reshard(r->dir, world, have_tail || have_mem ? &po : NULL, pos[2], err,
                                     sizeof(err));
         }
+        mfsdp_ckpt_reader_close(r);
         break;
+    }
     case 3:
         st = mfsdp_ckpt_export_full(pos[1], pos[2], fp32, err, sizeof(err));
         break;

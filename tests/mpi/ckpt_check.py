@@ -179,6 +179,35 @@ def case_tools(args, tmp):
                        os.path.join(tmp, "i4"), "--world-size", "2"], 1, "nomanifest.json")
     expect_fail(args, ["export-full", root, "/nonexistent-dir/x.safetensors"], 1,
                 "/nonexistent-dir/x.safetensors.tmp: cannot create: No such file or directory")
+    # an export over a file of the checkpoint it reads (its rename would replace that file)
+    with open(os.path.join(root, "latest")) as f:
+        step_dir = os.path.join(root, f.read().split()[0])
+    victim = os.path.join(step_dir, sorted(n for n in os.listdir(step_dir)
+                                           if n.startswith("optim-"))[0])
+    with open(victim, "rb") as f:
+        before = f.read()
+    expect_fail(args, ["export-full", root, victim], 1, "is inside the checkpoint",
+                "it exports")
+    with open(victim, "rb") as f:
+        if f.read() != before:
+            raise SystemExit(f"FAIL: {victim} changed by a refused export")
+    tool(args, "verify", root)
+    # a FIFO where a file is read: refused at once, not a blocked open
+    fifo = os.path.join(tmp, "fifo.safetensors")
+    os.mkfifo(fifo)
+    expect_fail(args, ["import-full", fifo, mpath, os.path.join(tmp, "i5"), "--world-size", "2"],
+                1, "not a regular file")
+    fdir = os.path.join(tmp, "fifo-ckpt")
+    os.mkdir(fdir)
+    os.mkfifo(os.path.join(fdir, "model.safetensors.index.json"))
+    expect_fail(args, ["verify", fdir], 1, "not a regular file")
+    # a plan that fails names its cause (the planner's warning), not only a status word
+    expect_fail(args, ["reshard", root, "--world-size", "2", os.path.join(tmp, "x"),
+                       "--mem-limit", "1K"], 1, "memory limit exceeded (tensor ",
+                "over the memory limit of 1024 bytes)")
+    # an option without its value
+    expect_fail(args, ["reshard", root, os.path.join(tmp, "x"), "--world-size"], 2,
+                "option '--world-size' needs a value")
 
 
 def case_kill(args, tmp):
