@@ -246,7 +246,19 @@ int main(int argc, char **argv)
     size_t mem_limit = 0;
     int c;
     opterr = 0;
+    unsigned given = 0; /* an option given twice is refused, not resolved to its last value */
     while ((c = getopt_long(argc, argv, ":n:t:m:fh", opts, NULL)) != -1) {
+        const char *twice = c == 'n'   ? "--world-size"
+                            : c == 't' ? "--tail"
+                            : c == 'm' ? "--mem-limit"
+                                       : NULL;
+        if (twice != NULL) {
+            unsigned bit = c == 'n' ? 1u : c == 't' ? 2u : 4u;
+            if (given & bit) {
+                return usage_error("%s is given twice", twice);
+            }
+            given |= bit;
+        }
         switch (c) {
         case 'n':
             if (parse_world(optarg, &world) != 0) {

@@ -205,6 +205,8 @@ def case_tools(args, tmp):
     expect_fail(args, ["reshard", root, "--world-size", "2", os.path.join(tmp, "x"),
                        "--mem-limit", "1K"], 1, "memory limit exceeded (tensor ",
                 "over the memory limit of 1024 bytes)")
+    expect_fail(args, ["reshard", root, os.path.join(tmp, "x"), "--world-size", "3",
+                       "--world-size", "5"], 2, "--world-size is given twice")
     # an option without its value
     expect_fail(args, ["reshard", root, os.path.join(tmp, "x"), "--world-size"], 2,
                 "option '--world-size' needs a value")
