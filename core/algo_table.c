@@ -161,6 +161,22 @@ mfsdp_status_t mfsdp_algo_table_parse(const char *text, const char *name, mfsdp_
             mfsdp_algo_table_free(t);
             return MFSDP_ERR_CONFIG;
         }
+        if (r == 1) {
+            /* The first matching row wins: a row an earlier one covers never applies, and
+             * a user who wrote it expects it to. */
+            const mfsdp_algo_row_t *j = &t->rows[t->nrows];
+            for (size_t i = 0; i < t->nrows; i++) {
+                const mfsdp_algo_row_t *e = &t->rows[i];
+                if (e->reduce == j->reduce && (e->nranks == -1 || e->nranks == j->nranks) &&
+                    e->min_bytes <= j->min_bytes && e->max_bytes >= j->max_bytes) {
+                    SETERR("%s line %zu: never used: the table's row %zu, earlier, covers the "
+                           "same collective, ranks and sizes (the first matching row wins)",
+                           name, lineno, i + 1);
+                    mfsdp_algo_table_free(t);
+                    return MFSDP_ERR_CONFIG;
+                }
+            }
+        }
         t->nrows += (size_t)r;
     }
     return MFSDP_OK;

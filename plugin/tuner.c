@@ -50,10 +50,20 @@ static ncclResult_t tuner_init(const char *abi, size_t nranks, size_t nnodes,
         }
     }
 
+    /* Empty counts as unset, as NCCL's own parse of these treats it (every algorithm and
+     * protocol stays enabled). */
     const char *algo = getenv("NCCL_ALGO");
     const char *proto = getenv("NCCL_PROTO");
+    algo = algo != NULL && algo[0] != '\0' ? algo : NULL;
+    proto = proto != NULL && proto[0] != '\0' ? proto : NULL;
     if (algo != NULL || proto != NULL) {
         ctx->deferred = 1;
+        if (ctx->nrules > 0) {
+            TUNER_WARN(logger,
+                       "mfsdp tuner: NCCL_ALGO/NCCL_PROTO set: the %zu rows of %s are not used "
+                       "for this communicator",
+                       ctx->nrules, path);
+        }
         TUNER_INFO(logger,
                    "mfsdp tuner: %s%s%s%s%s set; leaving algorithm, protocol and channels to nccl "
                    "(config rows and cost model off for this communicator)",

@@ -46,7 +46,14 @@ typedef struct mfsdp_tuner_choice {
             (logger)((level), NCCL_TUNING, __FILE__, __LINE__, __VA_ARGS__);                       \
         }                                                                                          \
     } while (0)
-#define TUNER_WARN(logger, ...)  TUNER_LOG(logger, NCCL_LOG_WARN, __VA_ARGS__)
+/* Warnings go to every subsystem (NCCL's own WARN() passes NCCL_ALL): NCCL drops a message
+ * whose flags miss NCCL_DEBUG_SUBSYS, which by default lacks TUNING. */
+#define TUNER_WARN(logger, ...)                                                                    \
+    do {                                                                                           \
+        if ((logger) != NULL) {                                                                    \
+            (logger)(NCCL_LOG_WARN, ~0UL, __FILE__, __LINE__, __VA_ARGS__);                        \
+        }                                                                                          \
+    } while (0)
 #define TUNER_INFO(logger, ...)  TUNER_LOG(logger, NCCL_LOG_INFO, __VA_ARGS__)
 #define TUNER_TRACE(logger, ...) TUNER_LOG(logger, NCCL_LOG_TRACE, __VA_ARGS__)
 

@@ -84,8 +84,9 @@ static mfsdp_status_t resolve_algos(struct mfsdp_ctx *ctx, const mfsdp_ctx_opts_
                                     const mfsdp_config_t *cfg)
 {
     mfsdp_algo_table_t table = {0};
-    int want = opts->gather_algo == MFSDP_ALGO_AUTO || opts->reduce_algo == MFSDP_ALGO_AUTO;
-    if (want && cfg->algo_table != NULL && cfg->algo_table[0] != '\0') {
+    /* Loaded (and so checked) whenever it is named, even when the code fixes both algorithms:
+     * a broken table must not pass unnoticed because this context did not need it. */
+    if (cfg->algo_table != NULL && cfg->algo_table[0] != '\0') {
         char err[512];
         mfsdp_status_t st = mfsdp_algo_table_load(cfg->algo_table, &table, err, sizeof(err));
         if (st != MFSDP_OK) {

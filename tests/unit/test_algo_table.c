@@ -93,6 +93,11 @@ Test(algo_table, bad_lines_are_named)
         {"allgather,2,0,-1,ring\n", "line 1: algorithm 'ring'"},
         {"allgather,2,0,-1,auto\n", "line 1: algorithm 'auto'"},
         {"allgather,2,0,99999999999999999999999,direct\n", "line 1: max_bytes"},
+        /* rows an earlier one covers never apply (the first match wins) */
+        {"allgather,2,0,-1,direct\nallgather,2,0,-1,chain\n",
+         "line 2: never used: the table's row 1"},
+        {"allgather,-1,0,-1,direct\nreducescatter,2,0,-1,chain\nallgather,2,0,4096,native\n",
+         "line 3: never used: the table's row 1"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         mfsdp_algo_table_t t = {.nrows = 7};

@@ -562,8 +562,37 @@ ParameterizedTest(env_case_t *c, tuner, defers_to_nccl_env)
         int level = -1;
         cr_expect_eq(log_find(needle, &level), 1, "%s: deferral logged once", abi_names[abi]);
         cr_expect_eq(level, NCCL_LOG_INFO);
+        /* the rows the user gave are dropped: a warning, to every subsystem */
+        cr_expect_eq(log_find("the 1 rows of", &level), 1);
+        cr_expect_eq(level, NCCL_LOG_WARN);
         t_fini(abi, ctx);
     }
+    drop_config(path);
+}
+
+/* NCCL treats an empty NCCL_ALGO / NCCL_PROTO as unset (every algorithm stays enabled): so
+ * does the plugin, whose rows keep applying. */
+Test(tuner, empty_nccl_env_is_unset)
+{
+    static const char rows[] = "broadcast,-1,-1,ring,ll,4,-1,-1\n";
+    const char *path = use_config(rows, sizeof(rows) - 1);
+    setenv("NCCL_PROTO", "", 1);
+    setenv("NCCL_ALGO", "", 1);
+    for (int abi = ABI_V4; abi <= ABI_V5; abi++) {
+        void *ctx = NULL;
+        cr_assert_eq(t_init(abi, 8, 1, &ctx), ncclSuccess);
+        float table[NA * NP];
+        ring_only_table(table);
+        int nch = 0;
+        cr_assert_eq(t_get(abi, ctx, ncclFuncBroadcast, 4 * MiB, 1, table, NA, NP, 0, &nch),
+                     ncclSuccess);
+        cr_expect_eq(table[CELL(NCCL_ALGO_RING, NCCL_PROTO_LL)], 0.0f, "%s: row not applied",
+                     abi_names[abi]);
+        cr_expect_eq(nch, 4);
+        t_fini(abi, ctx);
+    }
+    unsetenv("NCCL_PROTO");
+    unsetenv("NCCL_ALGO");
     drop_config(path);
 }
 
@@ -845,6 +874,13 @@ Test(tuner, missing_config_file)
                               &level),
                      1);
         cr_expect_eq(level, NCCL_LOG_WARN);
+        /* warnings go to every subsystem: NCCL drops a message whose flags miss
+         * NCCL_DEBUG_SUBSYS, which by default lacks TUNING */
+        for (int i = 0; i < log_count; i++) {
+            if (log_entries[i].level == NCCL_LOG_WARN) {
+                cr_expect_eq(log_entries[i].flags, ~0UL);
+            }
+        }
     }
 }
 
