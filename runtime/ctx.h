@@ -194,7 +194,6 @@ mfsdp_status_t mfsdp_ctx_agree(mfsdp_transport_t *tp, const mfsdp_manifest_t *ma
 mfsdp_status_t mfsdp_ctx_check_world(const mfsdp_manifest_t *manifest, const mfsdp_ctx_opts_t *opts,
                                      int world);
 
-
 /* Everything but the transport: plan, schedules, arena. Not collective. */
 mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_t *manifest,
                                     const mfsdp_ctx_opts_t *opts);
