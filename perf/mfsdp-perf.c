@@ -67,6 +67,19 @@ typedef struct perf_opts {
     int json;   /* -J: one JSON object per result line */
 } perf_opts_t;
 
+/* -c 0: nothing is checked, and #wrong says so (n/a; JSON null), as nccl-tests prints N/A. */
+static int g_checked = 1;
+
+/* #wrong as printed: the count, or n/a / null when unchecked (buf holds 24 chars). */
+static const char *wrong_txt(long w, int json, char *buf)
+{
+    if (!g_checked) {
+        return json ? "null" : "n/a";
+    }
+    snprintf(buf, 24, "%ld", w);
+    return buf;
+}
+
 #define PERF_MAX_OPTS 32
 
 typedef struct perf_subcmd {
@@ -235,18 +248,103 @@ static int ns_op_run(ns_case_t *c)
     return 0;
 }
 
-/* Newton-Schulz output: every element finite and, after 5 or more steps (fewer have not
- * converged), the mean squared singular value ||X||_F^2 / s inside the quintic band
- * [0.45, 1.3]. */
+static int corrupt_requested(void);
+
+/* dgemm, row-major: c = alpha a op(b) + beta c (plain loops without BLAS). */
+static void dgemm_rm(int tb, size_t m, size_t n, size_t kk, double alpha, const double *a,
+                     const double *b, double beta, double *cm)
+{
+#if MFSDP_HAVE_BLAS
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (int)m, (int)n,
+                (int)kk, alpha, a, (int)kk, b, tb ? (int)kk : (int)n, beta, cm, (int)n);
+#else
+    for (size_t i = 0; i < m; i++) {
+        for (size_t j = 0; j < n; j++) {
+            double acc = 0.0;
+            for (size_t q = 0; q < kk; q++) {
+                acc += a[i * kk + q] * (tb ? b[j * kk + q] : b[q * n + j]);
+            }
+            cm[i * n + j] = alpha * acc + beta * cm[i * n + j];
+        }
+    }
+#endif
+}
+
+/* The harness's own Newton-Schulz, in double from the same input: X = G / (||G||_F + eps)
+ * (G or G^T, whichever has fewer rows: s x l), then steps times A = X X^T,
+ * X = a X + (b A + c A A) X, with the quintic's coefficients (docs/design.md, "The
+ * optimizer step"). Returned in the input's m x k layout; NULL without memory. */
+static double *ns_reference(const ns_case_t *c)
+{
+    const size_t s = c->s, l = c->l, n = s * l;
+    double *x = malloc(n * sizeof(double)), *y = malloc(n * sizeof(double));
+    double *a = malloc(s * s * sizeof(double)), *b = malloc(s * s * sizeof(double));
+    if (x == NULL || y == NULL || a == NULL || b == NULL) {
+        free(x), free(y), free(a), free(b);
+        return NULL;
+    }
+    double sq = 0.0;
+    for (size_t i = 0; i < s; i++) {
+        for (size_t j = 0; j < l; j++) {
+            const double v = c->trans ? c->x0[j * s + i] : c->x0[i * l + j];
+            x[i * l + j] = v;
+            sq += v * v;
+        }
+    }
+    const double inv = 1.0 / (sqrt(sq) + (double)MFSDP_NS_EPS);
+    for (size_t i = 0; i < n; i++) {
+        x[i] *= inv;
+    }
+    for (int step = 0; step < c->steps; step++) {
+        dgemm_rm(1, s, s, l, 1.0, x, x, 0.0, a); /* A = X X^T */
+        memcpy(b, a, s * s * sizeof(double));
+        dgemm_rm(0, s, s, s, (double)MFSDP_NS_C, a, a, (double)MFSDP_NS_B, b); /* bA + cA A */
+        memcpy(y, x, n * sizeof(double));
+        dgemm_rm(0, s, l, s, 1.0, b, x, (double)MFSDP_NS_A, y); /* aX + B X */
+        double *t = x;
+        x = y;
+        y = t;
+    }
+    for (size_t i = 0; i < s; i++) {
+        for (size_t j = 0; j < l; j++) {
+            y[c->trans ? j * s + i : i * l + j] = x[i * l + j];
+        }
+    }
+    free(x), free(a), free(b);
+    return y;
+}
+
+/* Newton-Schulz output against the harness's double-precision reference (ns_reference):
+ * element i is wrong when |x_i - ref_i| > 1e-3 max|ref| (measured: fp32 within 2e-7..5e-7 of
+ * it at max|ref| 0.1..0.2, a margin of about 400; 3 steps instead of 5 are off by 8e-3..4e-2
+ * and fail half the elements). Costs about one fp64 Newton-Schulz per shape (-c 0 skips it).
+ * Also every element finite and, after 5 or more steps, the mean squared singular value
+ * ||X||_F^2 / s inside the quintic band [0.45, 1.3]. */
 static long ns_op_check(const ns_case_t *c)
 {
     long wrong = 0;
     double sq = 0.0;
     const size_t n = c->s * c->l;
+    double *ref = ns_reference(c);
+    if (ref == NULL) {
+        fprintf(stderr, "mfsdp-perf: no memory for the %lldx%lld reference\n", (long long)c->m,
+                (long long)c->k);
+        return (long)n;
+    }
+    double big = 0.0;
     for (size_t i = 0; i < n; i++) {
-        wrong += !isfinite(c->x[i]);
+        big = fabs(ref[i]) > big ? fabs(ref[i]) : big;
+    }
+    if (corrupt_requested()) {
+        c->x[n / 2] += 0.01f; /* test-only (MFSDP_PERF_CORRUPT=1): the check must see this */
+    }
+    const double tol = 1e-3 * big;
+    for (size_t i = 0; i < n; i++) {
+        const double d = fabs((double)c->x[i] - ref[i]);
+        wrong += !isfinite(c->x[i]) || !(d <= tol);
         sq += (double)c->x[i] * c->x[i];
     }
+    free(ref);
     const double mean_sigma2 = sq / (double)c->s;
     if (c->steps >= 5 && !(mean_sigma2 >= 0.45 && mean_sigma2 <= 1.3)) {
         fprintf(stderr, "mfsdp-perf: %lldx%lld mean sigma^2 %.3f outside [0.45, 1.3]\n",
@@ -466,22 +564,23 @@ static int ns_run(const perf_opts_t *o, void *state)
             goto next;
         }
         const double gf = ns_flops(&c) * 1e-9;
+        char wb[24];
         const double ratio = med[1] / med[0], ratio_min = mn[1] / mn[0];
         if (o->json) {
             printf("{\"subcommand\":\"ns\",\"m\":%lld,\"k\":%lld,\"steps\":%d,"
                    "\"nominal_gflop\":%.3f,\"ns_s\":%.6f,\"ns_min_s\":%.6f,\"ns_gflops\":%.3f,"
                    "\"gemm_s\":%.6f,\"gemm_min_s\":%.6f,\"gemm_gflops\":%.3f,\"ratio\":%.4f,"
-                   "\"ratio_min\":%.4f,\"wrong\":%ld,\"routines\":\"%s\"}\n",
+                   "\"ratio_min\":%.4f,\"wrong\":%s,\"routines\":\"%s\"}\n",
                    (long long)c.m, (long long)c.k, c.steps, gf, med[0], mn[0], gf / med[0], med[1],
-                   mn[1], gf / med[1], ratio, ratio_min, wrong[0] + wrong[1],
+                   mn[1], gf / med[1], ratio, ratio_min, wrong_txt(wrong[0] + wrong[1], 1, wb),
                    mfsdp_cpu_ns_routines());
         } else {
             char ns_ms[32], gemm_ms[32];
             snprintf(ns_ms, sizeof(ns_ms), "%.1f (%.1f)", 1e3 * med[0], 1e3 * mn[0]);
             snprintf(gemm_ms, sizeof(gemm_ms), "%.1f (%.1f)", 1e3 * med[1], 1e3 * mn[1]);
-            printf(" %7lld %7lld %5d %10.1f %19s %9.1f %19s %9.1f %7.3f %11.3f %7ld\n",
+            printf(" %7lld %7lld %5d %10.1f %19s %9.1f %19s %9.1f %7.3f %11.3f %7s\n",
                    (long long)c.m, (long long)c.k, c.steps, gf, ns_ms, gf / med[0], gemm_ms,
-                   gf / med[1], ratio, ratio_min, wrong[0] + wrong[1]);
+                   gf / med[1], ratio, ratio_min, wrong_txt(wrong[0] + wrong[1], 0, wb));
         }
         fflush(stdout);
         if (wrong[0] + wrong[1] != 0) {
@@ -1153,6 +1252,7 @@ static void coll_print(const coll_state_t *st, const perf_opts_t *o, const coll_
     const double size = (double)(c->S * (size_t)g_world);
     const char *type = c->dt == MFSDP_FLOAT32 ? "float" : "bfloat16";
     double algbw[2], busbw[2];
+    char wb[24];
     for (int v = 0; v < nvar; v++) {
         algbw[v] = size / t[v] * 1e-9;
         busbw[v] = algbw[v] * (n - 1) / n;
@@ -1160,13 +1260,13 @@ static void coll_print(const coll_state_t *st, const perf_opts_t *o, const coll_
     if (o->json) {
         printf("{\"subcommand\":\"%s\",\"ranks\":%d,\"system\":\"%s\",\"size\":%.0f,"
                "\"count\":%zu,\"type\":\"%s\",\"redop\":\"%s\",\"root\":-1,"
-               "\"time_us\":%.1f,\"algbw\":%.4f,\"busbw\":%.4f,\"wrong\":%ld",
+               "\"time_us\":%.1f,\"algbw\":%.4f,\"busbw\":%.4f,\"wrong\":%s",
                st->reduce ? "reducescatter" : "allgather", g_world, sys, size,
                c->sel * (size_t)g_world, type, st->reduce ? "sum" : "none", 1e6 * t[0], algbw[0],
-               busbw[0], wrong[0]);
+               busbw[0], wrong_txt(wrong[0], 1, wb));
         if (nvar > 1) {
-            printf(",\"ip_time_us\":%.1f,\"ip_algbw\":%.4f,\"ip_busbw\":%.4f,\"ip_wrong\":%ld",
-                   1e6 * t[1], algbw[1], busbw[1], wrong[1]);
+            printf(",\"ip_time_us\":%.1f,\"ip_algbw\":%.4f,\"ip_busbw\":%.4f,\"ip_wrong\":%s",
+                   1e6 * t[1], algbw[1], busbw[1], wrong_txt(wrong[1], 1, wb));
         }
         if (ratio != NULL) {
             printf(",\"ratio\":%.4f", ratio[0]);
@@ -1181,7 +1281,8 @@ static void coll_print(const coll_state_t *st, const perf_opts_t *o, const coll_
                st->reduce ? "sum" : "none", -1, sys);
         for (int v = 0; v < 2; v++) {
             if (v < nvar) {
-                printf(" %10.1f %7.3f %7.3f %6ld", 1e6 * t[v], algbw[v], busbw[v], wrong[v]);
+                printf(" %10.1f %7.3f %7.3f %6s", 1e6 * t[v], algbw[v], busbw[v],
+                       wrong_txt(wrong[v], 0, wb));
             } else {
                 printf(" %10s %7s %7s %6s", "n/a", "", "", "");
             }
@@ -1881,18 +1982,20 @@ static int opt_run(const perf_opts_t *o, void *state)
         }
         for (int s = 0; s < 3; s++) {
             const double ratio = med[s][0] / med[0][0];
+            char wb[24];
             if (o->json) {
                 printf("{\"subcommand\":\"optstep\",\"ranks\":%d,\"system\":\"%s\","
                        "\"total_s\":%.6f,\"comm_s\":%.6f,\"compute_s\":%.6f,"
-                       "\"time_vs_mfsdp\":%.4f,\"wrong\":%ld",
-                       g_world, names[s], med[s][0], med[s][1], med[s][2], ratio, wrong);
+                       "\"time_vs_mfsdp\":%.4f,\"wrong\":%s",
+                       g_world, names[s], med[s][0], med[s][1], med[s][2], ratio,
+                       wrong_txt(wrong, 1, wb));
                 if (s != 0) {
                     print_paired_json(&pr[s]);
                 }
                 printf("}\n");
             } else {
-                printf(" %-11s %10.1f %10.1f %10.1f %14.3f %7ld\n", names[s], 1e3 * med[s][0],
-                       1e3 * med[s][1], 1e3 * med[s][2], ratio, wrong);
+                printf(" %-11s %10.1f %10.1f %10.1f %14.3f %7s\n", names[s], 1e3 * med[s][0],
+                       1e3 * med[s][1], 1e3 * med[s][2], ratio, wrong_txt(wrong, 0, wb));
             }
         }
         fprintf(hdr, "# mfsdp speedup: %.3fx vs fsdp2-muon, %.3fx vs dmuon (%d ranks)\n",
@@ -2117,24 +2220,25 @@ static int ckpt_run(const perf_opts_t *o, void *state)
         double mst = median(stall, o->iters), mwr = median(wr, o->iters),
                mld = median(ld, o->iters), mwb = median(wbw, o->iters), mlb = median(lbw, o->iters);
         if (g_rank == 0) {
+            char wb[24];
             if (o->json) {
                 printf("{\"subcommand\": \"ckpt\", \"system\": \"mfsdp\", \"ranks\": %d, "
                        "\"manifest\": \"%s\", "
                        "\"tail\": \"%s\", \"snapshot_bytes\": %.0f, \"write_bytes\": %.0f, "
                        "\"load_bytes\": %.0f, \"stall_s\": %.6f, \"write_s\": %.6f, "
                        "\"write_gbs\": %.4f, \"load_s\": %.6f, \"load_gbs\": %.4f, "
-                       "\"wrong\": %ld}\n",
+                       "\"wrong\": %s}\n",
                        g_world, st->manifest, st->tail, gsnap, gw, gl, mst, mwr, mwb / 1e9, mld,
-                       mlb / 1e9, o->check ? wrong : 0);
+                       mlb / 1e9, wrong_txt(wrong, 1, wb));
             } else {
                 printf("#  ranks snapshot-MB  stall-ms  write-MB   write-s  write-GB/s   load-MB"
                        "    load-s   load-GB/s  #wrong\n"
-                       "%8d %12.1f %9.1f %9.1f %9.3f %11.3f %9.1f %9.3f %11.3f %7ld\n"
+                       "%8d %12.1f %9.1f %9.1f %9.3f %11.3f %9.1f %9.3f %11.3f %7s\n"
                        "# per rank (max over ranks for bytes and times; GB/s of the slowest "
                        "rank); load-MB counts tensor bytes read plus bytes read to verify "
                        "checksums\n",
                        g_world, gsnap / 1e6, 1e3 * mst, gw / 1e6, mwr, mwb / 1e9, gl / 1e6, mld,
-                       mlb / 1e9, o->check ? wrong : 0L);
+                       mlb / 1e9, wrong_txt(wrong, 0, wb));
             }
             fflush(stdout);
         }
@@ -2784,13 +2888,14 @@ static int ts_run(const perf_opts_t *o, void *state)
         }
         for (int s = 0; s < TS_NSYS; s++) {
             const double ratio = med[s][0] / med[TS_MFSDP][0];
+            char wb[24];
             if (o->json) {
                 printf("{\"subcommand\":\"trainstep\",\"ranks\":%d,\"tokens\":%zu,"
                        "\"system\":\"%s\",\"step_s\":%.6f,\"comm_s\":%.6f,\"fwdbwd_s\":%.6f,"
                        "\"opt_s\":%.6f,\"opt_comm_s\":%.6f,\"gather_s\":%.6f,"
-                       "\"time_vs_mfsdp\":%.4f,\"wrong\":%ld",
+                       "\"time_vs_mfsdp\":%.4f,\"wrong\":%s",
                        g_world, t.T, ts_names[s], med[s][0], med[s][1], med[s][2], med[s][3],
-                       med[s][4], med[s][5], ratio, wrong);
+                       med[s][4], med[s][5], ratio, wrong_txt(wrong, 1, wb));
                 if (s == TS_FSDP2 || s == TS_DMUON) {
                     print_paired_json(s == TS_FSDP2 ? &p_fsdp2 : &p_dmuon);
                 }
@@ -2801,9 +2906,9 @@ static int ts_run(const perf_opts_t *o, void *state)
                 }
                 printf("}\n");
             } else {
-                printf(" %-11s %10.1f %10.1f %10.1f %10.1f %11.1f %9.3f %7ld\n", ts_names[s],
+                printf(" %-11s %10.1f %10.1f %10.1f %10.1f %11.1f %9.3f %7s\n", ts_names[s],
                        1e3 * med[s][0], 1e3 * med[s][1], 1e3 * med[s][2], 1e3 * med[s][3],
-                       1e3 * med[s][4], ratio, wrong);
+                       1e3 * med[s][4], ratio, wrong_txt(wrong, 0, wb));
             }
         }
         fprintf(hdr,
@@ -3002,7 +3107,7 @@ int main(int argc, char **argv)
             bad = parse_int(optarg, 0, &o.warmup) != 0;
             break;
         case 'c':
-            bad = parse_int(optarg, 0, &o.check) != 0;
+            bad = parse_int(optarg, 0, &o.check) != 0 || o.check > 1;
             break;
         case 'J':
             o.json = 1;
@@ -3029,6 +3134,7 @@ int main(int argc, char **argv)
         return 2;
     }
     int rc;
+    g_checked = o.check;
 #if MFSDP_HAVE_MPI
     if (sub->mpi) {
         int provided;
