@@ -25,6 +25,7 @@ ROW_KEYS = {
     "optstep": ["wrong"],
     "ckpt": ["wrong"],
     "trainstep": ["wrong"],
+    "ns": ["wrong"],  # no MPI: run directly, rows carry no ranks or system
 }
 
 
@@ -39,10 +40,10 @@ def main():
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     env = dict(os.environ)
-    cmd = [a.mpirun, "-np", str(a.np)] + MPIRUN_FLAGS
+    cmd = [a.mpirun, "-np", str(a.np)] + MPIRUN_FLAGS if a.sub != "ns" else []
     if a.corrupt:
         env["MFSDP_PERF_CORRUPT"] = "1"
-        cmd += ["-x", "MFSDP_PERF_CORRUPT"]
+        cmd += ["-x", "MFSDP_PERF_CORRUPT"] if a.sub != "ns" else []
     cmd += [a.exe, a.sub, "-c", "1", "--json"] + a.args
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -57,8 +58,10 @@ def main():
     keys = ROW_KEYS[a.sub]
     bad = []
     for r in rows:
-        if r.get("subcommand") != a.sub or r.get("ranks") != a.np:
+        if r.get("subcommand") != a.sub or (a.sub != "ns" and r.get("ranks") != a.np):
             sys.exit("FAIL: row of another run: %r" % r)
+        if a.sub == "ns":
+            r["system"] = "mfsdp-ns"  # the one system of its rows
         for k in keys:
             if k == "ip_wrong" and k not in r and r["system"] != "native":
                 continue  # no in-place form
