@@ -288,13 +288,16 @@ static mfsdp_status_t cfg_status;
 
 static char cfg_err[512];
 
+static int config_unknown(char *name, size_t len);
+static const char *config_closest(const char *name);
+
 static void cfg_init(void)
 {
     cfg_status = mfsdp_config_parse(env_lookup, NULL, &cfg_global, cfg_err, sizeof(cfg_err));
     char name[128];
-    if (cfg_status == MFSDP_OK && mfsdp_config_unknown(name, sizeof(name))) {
+    if (cfg_status == MFSDP_OK && config_unknown(name, sizeof(name))) {
         /* A misspelt name would leave its setting at the default without a word. */
-        const char *near = mfsdp_config_closest(name);
+        const char *near = config_closest(name);
         snprintf(cfg_err, sizeof(cfg_err),
                  "unknown variable %s%s%s%s (mfsdp-plan --env lists them)", name,
                  near ? " (did you mean " : "", near ? near : "", near ? "?)" : "");
@@ -407,7 +410,9 @@ static int known_other(const char *name, size_t n)
 
 extern char **environ;
 
-int mfsdp_config_unknown(char *name, size_t len)
+/* 1 when the environment holds an MFSDP_* variable that is neither in the table nor one of
+ * the scripts' own (MFSDP_VENV, MFSDP_TEST_*, ...): its name goes to name. */
+static int config_unknown(char *name, size_t len)
 {
     for (char **e = environ; e != NULL && *e != NULL; e++) {
         if (strncmp(*e, "MFSDP_", 6) != 0) {
@@ -429,8 +434,8 @@ int mfsdp_config_unknown(char *name, size_t len)
     return 0;
 }
 
-/* The known name closest to name (edit distance), for "did you mean". */
-const char *mfsdp_config_closest(const char *name)
+/* The known name closest to name (edit distance, at most 3), for "did you mean"; NULL. */
+static const char *config_closest(const char *name)
 {
     const char *best = NULL;
     size_t bestd = (size_t)-1;

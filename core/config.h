@@ -181,14 +181,9 @@ size_t mfsdp_config_count(void);
 mfsdp_status_t mfsdp_config_value(const mfsdp_config_t *cfg, size_t i, const char **name_p,
                                   char *value, size_t len);
 
-/* 1 when the environment holds an MFSDP_* variable that is neither in the table nor one of
- * the scripts' own (MFSDP_BUILD_DIR, MFSDP_VENV, MFSDP_TEST_*, ...): its name goes to name. */
-int mfsdp_config_unknown(char *name, size_t len);
 /* Why mfsdp_config_get() failed (a bad value, or an unknown MFSDP_* name, with the closest
  * known one), or "" when it did not. */
 const char *mfsdp_config_error(void);
-/* The table's name closest to name (a misspelling), or NULL. */
-const char *mfsdp_config_closest(const char *name);
 
 /* Parse a size with optional K/M/G/T suffix. */
 mfsdp_status_t mfsdp_parse_size(const char *s, size_t *out_p);

@@ -170,9 +170,11 @@ static mfsdp_status_t add_pass(mfsdp_matcher_t *mt, int kind, const size_t *entr
      * the reverse order), its leading optional entry present or skipped (but not right after
      * that entry: that pass began one call earlier). A prefix of one group would also match
      * a lone re-gather in a backward: not used. */
-    size_t skip = f > 0 && (m->sequence[entry[0]].flags & MFSDP_CALL_OPTIONAL) ? 1 : 0;
+    const mfsdp_call_t *e0 = &m->sequence[entry[0]]; /* len > 0 here */
+    size_t skip = f > 0 && (e0->flags & MFSDP_CALL_OPTIONAL) ? 1 : 0;
     if (kind == PASS_TRAIN && f - skip >= 2) {
         for (size_t at = 1; at < len; at++) {
+            const mfsdp_call_t *prev = &m->sequence[entry[at - 1]];
             for (size_t from = 0; from <= skip; from++) {
                 size_t n = f - from;
                 size_t k = 0;
@@ -182,8 +184,6 @@ static mfsdp_status_t add_pass(mfsdp_matcher_t *mt, int kind, const size_t *entr
                     k++;
                 }
                 /* without the optional entry: not right after it (the pass started there) */
-                const mfsdp_call_t *prev = &m->sequence[entry[at - 1]],
-                                   *e0 = &m->sequence[entry[0]];
                 if (k == n && (from == 0 || prev->kind != e0->kind || prev->group != e0->group)) {
                     p->end_ok[at] = 1;
                     p->end_ok[at + n] = 1;

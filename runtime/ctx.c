@@ -466,28 +466,26 @@ mfsdp_status_t mfsdp_ctx_agree(mfsdp_transport_t *tp, const mfsdp_manifest_t *ma
     }
     mfsdp_fp_item_t items[MFSDP_FP_MAX];
     size_t n = mfsdp_settings_fingerprint(manifest, world, cfg, items);
-    static const mfsdp_ctx_opts_t no_opts; /* NULL: compared as all zero */
+    /* The options given in code that shape the wire or the step (the MFSDP_* variables they
+     * override are in the fingerprint already): a rank with another staging budget would cut
+     * other chunks, another algorithm post other messages. NULL is compared as all zero. */
+    static const mfsdp_ctx_opts_t no_opts;
     if (opts == NULL) {
         opts = &no_opts;
     }
-    {
-        /* The options given in code that shape the wire or the step (the MFSDP_* variables
-         * they override are in the fingerprint already): a rank with another staging budget
-         * would cut other chunks, another algorithm post other messages. */
-        if (n >= MFSDP_FP_MAX) {
-            MFSDP_WARN("internal: settings fingerprint full (%zu entries)", n);
-            return MFSDP_ERR_INTERNAL;
-        }
-        char v[192];
-        snprintf(v, sizeof(v),
-                 "gather %d reduce %d chunk %zu staging %zu accum %d step %d:%d clip %d:%.17g "
-                 "plan %d:%d:%d:%zu:%d",
-                 (int)opts->gather_algo, (int)opts->reduce_algo, opts->chain_chunk,
-                 opts->staging_bytes, opts->accum_steps, opts->has_step_mode, (int)opts->step_mode,
-                 opts->has_clip, opts->clip, opts->plan != NULL, opts->has_plan_opts,
-                 (int)opts->plan_opts.tail, opts->plan_opts.mem_limit, opts->plan_opts.no_spread);
-        mfsdp_fp_item_set(&items[n++], "the context options (mfsdp_ctx_opts_t)", v);
+    if (n >= MFSDP_FP_MAX) {
+        MFSDP_WARN("internal: settings fingerprint full (%zu entries)", n);
+        return MFSDP_ERR_INTERNAL;
     }
+    char v[192];
+    snprintf(v, sizeof(v),
+             "gather %d reduce %d chunk %zu staging %zu accum %d step %d:%d clip %d:%.17g "
+             "plan %d:%d:%d:%zu:%d",
+             (int)opts->gather_algo, (int)opts->reduce_algo, opts->chain_chunk, opts->staging_bytes,
+             opts->accum_steps, opts->has_step_mode, (int)opts->step_mode, opts->has_clip,
+             opts->clip, opts->plan != NULL, opts->has_plan_opts, (int)opts->plan_opts.tail,
+             opts->plan_opts.mem_limit, opts->plan_opts.no_spread);
+    mfsdp_fp_item_set(&items[n++], "the context options (mfsdp_ctx_opts_t)", v);
     mfsdp_agree_ops_t ops = {agree_u64, agree_gather, tp, tp->rank, tp->world};
     char err[1024];
     mfsdp_status_t st = mfsdp_settings_agree(items, n, &ops, err, sizeof(err));

@@ -34,8 +34,7 @@ mfsdp_status_t mfsdp_ctx_create_mpi(const mfsdp_manifest_t *manifest, const mfsd
     }
     /* Every rank must plan with the same manifest and settings: compared first, so that a
      * difference is one clear error rather than a hang or a truncated message later. */
-    static const mfsdp_ctx_opts_t zero_opts; /* NULL: the same as all zero, on every rank */
-    st = mfsdp_ctx_agree(ctx->tp, manifest, world, opts != NULL ? opts : &zero_opts);
+    st = mfsdp_ctx_agree(ctx->tp, manifest, world, opts); /* NULL: compared as all zero */
     if (st == MFSDP_OK) {
         /* After the agreement: the manifest and options are the same on every rank, so every
          * rank fails these alike (a rank with another manifest was told so above). */

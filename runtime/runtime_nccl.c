@@ -153,8 +153,7 @@ mfsdp_status_t mfsdp_ctx_create_nccl(const mfsdp_manifest_t *manifest, const mfs
     /* Every rank must plan with the same manifest and settings (MFSDP_TRANSPORT and
      * MFSDP_NCCL_REGISTER included): compared first, so that a difference is one clear error
      * rather than a hang or a truncated transfer later. */
-    static const mfsdp_ctx_opts_t zero_opts; /* NULL: the same as all zero, on every rank */
-    st = mfsdp_ctx_agree(ctx->tp, manifest, ctx->world, opts != NULL ? opts : &zero_opts);
+    st = mfsdp_ctx_agree(ctx->tp, manifest, ctx->world, opts); /* NULL: compared as all zero */
     if (st == MFSDP_OK) {
         st = mfsdp_ctx_check_world(manifest, opts, ctx->world); /* alike on every rank now */
     }
