@@ -64,6 +64,74 @@ static void init_error(mfsdp_status_t st, const char *fmt, ...)
 
 static void shim_atexit(void);
 
+/* Under mfsdp-run (MFSDP_COMPANION=tag) the job keeps what the companion leaves it: its own
+ * optimizer for every param mfsdp does not own, its lr schedule, its accumulation, its clipping
+ * and its checkpoints, and FSDP2 states the gradient divide. A variable that configures one of
+ * them here would be ignored or would contradict the job (MFSDP_TAIL=owner trained the norms a
+ * second time with mfsdp's AdamW, weights the job never saw): each is refused, with why. */
+static const struct {
+    const char *name;
+    const char *allowed; /* the one value that says what the companion does anyway, or NULL */
+    const char *why;
+} companion_refused[] = {
+    {"MFSDP_MANIFEST", NULL,
+     "mfsdp-run builds the manifest from the live FSDP2 model; MFSDP_MANIFEST is for jobs run "
+     "under the shim without mfsdp-run"},
+    {"MFSDP_RECORD", NULL,
+     "recording is for jobs run under the shim without mfsdp-run (the companion names each "
+     "call's group, so there is nothing to record)"},
+    {"MFSDP_TAIL", "job",
+     "the job's own optimizer trains every param mfsdp does not own (tail \"job\"); another "
+     "policy would train them again with mfsdp's AdamW, in weights the job never sees"},
+    {"MFSDP_STEP", NULL, "the job's optimizer.step() runs the owners' step"},
+    {"MFSDP_ACCUM_STEPS", NULL,
+     "the owners sum every reduce until the job's optimizer.step(), however the job "
+     "accumulates"},
+    {"MFSDP_LR_SCHEDULE", NULL,
+     "the owners follow the job's own lr schedule (its current lr / its initial lr)"},
+    {"MFSDP_CLIP", NULL,
+     "clip in the job with torch.nn.utils.clip_grad_norm_, which mfsdp-run extends to the "
+     "owners' gradients"},
+    {"MFSDP_ADAMW_LR", NULL,
+     "the job's own optimizer trains the params mfsdp does not own, with its own "
+     "hyper-parameters"},
+    {"MFSDP_ADAMW_WEIGHT_DECAY", NULL,
+     "the job's own optimizer trains the params mfsdp does not own, with its own "
+     "hyper-parameters"},
+    {"MFSDP_GRAD_DIVIDE", NULL,
+     "the companion reads the gradient divide from FSDP2 itself, group by group"},
+};
+
+/* 1 and the error set when, under a companion, a variable it leaves to the job is set
+ * (companion_refused under MFSDP_COMPANION=tag; the checkpoint variables under either). */
+static int companion_config_refused(void)
+{
+    if (!shim_cfg->companion_set) {
+        return 0;
+    }
+    for (size_t i = 0; shim_cfg->companion == MFSDP_CFG_COMPANION_TAG &&
+                       i < sizeof(companion_refused) / sizeof(companion_refused[0]);
+         i++) {
+        const char *v = getenv(companion_refused[i].name);
+        if (v == NULL || *v == '\0' ||
+            (companion_refused[i].allowed != NULL &&
+             strcasecmp(v, companion_refused[i].allowed) == 0)) {
+            continue;
+        }
+        init_error(MFSDP_ERR_CONFIG, "%s=%s is set under mfsdp-run: %s (unset it)",
+                   companion_refused[i].name, v, companion_refused[i].why);
+        return 1;
+    }
+    if (shim_ckpt_enabled(shim_cfg)) {
+        init_error(MFSDP_ERR_CONFIG,
+                   "MFSDP_CKPT_DIR, MFSDP_RESUME and MFSDP_INIT apply to jobs run with "
+                   "MFSDP_MANIFEST; a PyTorch job under mfsdp-run keeps its own "
+                   "checkpoints (its state_dict holds the trained weights)");
+        return 1;
+    }
+    return 0;
+}
+
 static void shim_init_once(void)
 {
     atexit(shim_atexit);
@@ -75,6 +143,9 @@ static void shim_init_once(void)
         shim_cfg = NULL;
         const char *why = mfsdp_config_error();
         init_error(st, "%s", why[0] ? why : "bad MFSDP_* configuration");
+        return;
+    }
+    if (companion_config_refused()) {
         return;
     }
     if (shim_cfg->record_set && shim_cfg->manifest_set) {
@@ -89,12 +160,6 @@ static void shim_init_once(void)
     }
     if (!shim_cfg->manifest_set) {
         if (shim_cfg->companion_set) {
-            if (shim_ckpt_enabled(shim_cfg)) {
-                init_error(MFSDP_ERR_CONFIG,
-                           "MFSDP_CKPT_DIR, MFSDP_RESUME and MFSDP_INIT apply to jobs run with "
-                           "MFSDP_MANIFEST; a PyTorch job under mfsdp-run keeps its own "
-                           "checkpoints (its state_dict holds the trained weights)");
-            }
             return; /* tagged mode: the companion registers its manifest */
         }
         for (size_t i = 0; i < mfsdp_config_count(); i++) {

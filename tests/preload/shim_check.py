@@ -30,7 +30,9 @@
   ckpt-errors N  checkpoint variables that cannot work (MFSDP_CKPT_EVERY or MFSDP_RESUME=auto
                  without MFSDP_CKPT_DIR, MFSDP_RESUME with MFSDP_INIT, tail job, a missing
                  checkpoint or init file, a checkpoint of another manifest) stop the job with
-                 one error line; the end of a job saves its last step.
+                 one error line; the end of a job saves its last step. Under
+                 MFSDP_COMPANION=tag (mfsdp-run) the variables of what the job keeps (tail,
+                 schedule, accumulation, clipping, manifest, record) are refused likewise.
   record N       groups with one signature and no sequence are refused with a message that
                  points at MFSDP_RECORD; MFSDP_RECORD runs pass-through (bitwise unchanged),
                  `mfsdp-plan --record` joins the record into the job's exact call sequence,
@@ -437,6 +439,27 @@ def cmd_ckpt_errors(args, tmp):
     expect_one_error(proc, w, ["MFSDP_CKPT_DIR, MFSDP_RESUME and MFSDP_INIT apply to jobs run "
                                "with MFSDP_MANIFEST"], "checkpoint variables in tagged mode",
                      ranks=args.np)
+    # Under mfsdp-run the job keeps its optimizer for the tail, its schedule, accumulation and
+    # clipping, and the companion builds the manifest: the variables that would configure
+    # those are refused (MFSDP_TAIL=owner used to train the tail again, silently).
+    for var, value in (("MFSDP_TAIL", "owner"), ("MFSDP_TAIL", "shard"),
+                       ("MFSDP_MANIFEST", manifest), ("MFSDP_RECORD", os.path.join(tmp, "r")),
+                       ("MFSDP_LR_SCHEDULE", "warmup-cosine,warmup=2,decay=4"),
+                       ("MFSDP_ACCUM_STEPS", "2"), ("MFSDP_STEP", "lazy"), ("MFSDP_CLIP", "1"),
+                       ("MFSDP_ADAMW_LR", "0.1"), ("MFSDP_GRAD_DIVIDE", "world")):
+        env = {"LD_PRELOAD": args.preload, "MFSDP_COMPANION": "tag", var: value}
+        w, proc = run_job(args, tmp, "companion-" + var, extra, env, expect_ok=False,
+                          each_rank=True)
+        expect_one_error(proc, w, [f"{var}={value} is set under mfsdp-run",
+                                   "unset it"], f"{var}={value} under mfsdp-run", ranks=args.np)
+    # MFSDP_TAIL=job says what the companion does anyway: not refused (the job then fails
+    # only because no companion registered a model).
+    env = {"LD_PRELOAD": args.preload, "MFSDP_COMPANION": "tag", "MFSDP_TAIL": "job"}
+    w, proc = run_job(args, tmp, "companion-tail-job", extra, env, expect_ok=False,
+                      each_rank=True)
+    if "is set under mfsdp-run" in proc.stdout:
+        raise SystemExit("FAIL: MFSDP_TAIL=job under mfsdp-run was refused")
+    print("ok: MFSDP_TAIL=job under mfsdp-run is accepted")
     # The same manifest without tail job: a save at the end, then a resume of it with a
     # manifest of other hyper-parameters is refused (the checkpoint's manifest must match).
     w, text = run_job(args, tmp, "saved", extra, preload_vars(args, manifest,
