@@ -4,7 +4,8 @@
 `mfsdp-run torchrun --nproc-per-node N train_fsdp2.py ...` runs it with owner-local Muon.
 
 A small pre-norm transformer on synthetic tokens (target = next token id (x + 1) mod vocab),
-AdamW with a linear-warmup + cosine LambdaLR, and flags for the configurations FSDP2 jobs
+AdamW with a linear-warmup + cosine LambdaLR (or, with --optimizer muon, torch.optim.Muon
+for the blocks' matrices beside AdamW for the rest, each with that LambdaLR), and flags for the configurations FSDP2 jobs
 use: gradient accumulation (set_requires_gradient_sync), no-grad eval, clip_grad_norm_, a
 frozen bf16 param, an unused trainable param, bf16 params with fp32 reduce, torchtitan-style
 wrapping, tied embedding/lm_head, HSDP, and a state_dict or DCP save of the final weights.
@@ -61,6 +62,13 @@ def parse_args(argv=None):
     p.add_argument("--save", default="", help="torch.save the full state_dict (rank 0)")
     p.add_argument("--dcp", default="", help="torch.distributed.checkpoint.save directory")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                   help="muon: torch.optim.Muon for the blocks' 2-D weights, AdamW for the rest")
+    p.add_argument("--muon-lr", type=float, default=0.02)
+    p.add_argument("--muon-momentum", type=float, default=0.95)
+    p.add_argument("--muon-wd", type=float, default=0.0)
+    p.add_argument("--muon-adjust", choices=["original", "match_rms_adamw"],
+                   default="original", help="torch.optim.Muon's adjust_lr_fn")
     return p.parse_args(argv)
 
 
@@ -182,6 +190,29 @@ def make_optimizer(args, params):
     return opt, sched
 
 
+def muon_names(model):
+    """The params --optimizer muon gives torch.optim.Muon: the blocks' trainable 2-D weights."""
+    return [n for n, p in model.named_parameters()
+            if n.startswith("blocks.") and p.ndim == 2 and p.requires_grad]
+
+
+def make_optimizers(args, model):
+    """[(optimizer, LambdaLR or None)]: AdamW over every trainable param, or with --optimizer
+    muon torch.optim.Muon over muon_names() and AdamW over the rest."""
+    names = set(muon_names(model)) if args.optimizer == "muon" else set()
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and n not in names]
+    out = [make_optimizer(args, rest)]
+    if names:
+        muon = torch.optim.Muon([p for n, p in model.named_parameters() if n in names],
+                                lr=args.muon_lr, momentum=args.muon_momentum, nesterov=True,
+                                weight_decay=args.muon_wd, adjust_lr_fn=args.muon_adjust)
+        sched = None
+        if not args.constant_lr and not args.manual_lr:
+            sched = torch.optim.lr_scheduler.LambdaLR(muon, lr_lambda(args))
+        out.append((muon, sched))
+    return out
+
+
 def shard(args, model, mesh):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kw = {"mesh": mesh}
@@ -222,7 +253,7 @@ def main(argv=None):
 
     model = build_model(args).to(device)
     shard(args, model, mesh)
-    opt, sched = make_optimizer(args, [p for p in model.parameters() if p.requires_grad])
+    optimizers = make_optimizers(args, model)
     rows = slice(rank * args.batch, (rank + 1) * args.batch)
 
     def loss_of(x, y):
@@ -240,13 +271,16 @@ def main(argv=None):
         norm = None
         if args.clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        if args.manual_lr:
-            for group in opt.param_groups:
-                group["lr"] = args.lr * lr_lambda(args)(step)
-        opt.step()
-        opt.zero_grad()
-        if sched is not None:
-            sched.step()
+        # AdamW first: its zero_grad() runs before Muon's step
+        for opt, sched in optimizers:
+            if args.manual_lr:
+                base = args.muon_lr if opt is not optimizers[0][0] else args.lr
+                for group in opt.param_groups:
+                    group["lr"] = base * lr_lambda(args)(step)
+            opt.step()
+            opt.zero_grad()
+            if sched is not None:
+                sched.step()
         line = f"step {step} loss {total:.6f}"
         if norm is not None:
             line += f" norm {float(norm):.6f}"

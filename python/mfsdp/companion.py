@@ -11,8 +11,10 @@ install() runs when torch.distributed.fsdp has been imported (the mfsdp-run path
   owners' first fill, each reduce) and writes the weights back after every owner step;
 - sets ``.grad = None`` on owner-managed params after their reduce, so the job's optimizer
   skips them and allocates no state for them;
-- runs the owners' step from the job's ``optimizer.step()`` (a global step pre-hook) with
-  lr_factor = the job's current lr / its initial lr;
+- runs the owners' step from the ``step()`` of the job's optimizer that holds the root's
+  matrices (a global step pre-hook) with lr_factor = its current lr / its initial lr; when
+  that optimizer is ``torch.optim.Muon``, its hyper-parameters (taken at the first forward)
+  are the owners' Muon hyper-parameters, and they must not change afterwards;
 - makes ``clip_grad_norm_`` include and scale the owners' gradients;
 - writes the owners' weights back into the job's shards before ``state_dict()``.
 """
@@ -25,9 +27,24 @@ import threading
 from . import _guard, _shim
 from .manifest import ManifestError, build, dumps, grad_dtype
 
+# mfsdp's Newton-Schulz constants (docs/design.md, "The optimizer step"), torch.optim.Muon's
+# defaults: a torch.optim.Muon with other values cannot be followed.
+_NS_ABC = (3.4445, -4.7750, 2.0315)
+_NS_EPS = 1e-7
+# torch.optim.Muon's adjust_lr_fn -> the manifest's optimizer.scale
+_MUON_SCALE = {None: "keller", "original": "keller", "match_rms_adamw": "moonlight"}
+# The shim's variables that override the Muon hyper-parameters torch.optim.Muon gives.
+_MUON_ENV = ("MFSDP_LR", "MFSDP_MOMENTUM", "MFSDP_NESTEROV", "MFSDP_NS_STEPS",
+             "MFSDP_WEIGHT_DECAY", "MFSDP_SCALE")
+
 _tls = threading.local()
 _lock = threading.Lock()
 _installed = None
+
+
+def _num(x):
+    """A float from a number or a one-element tensor (an optimizer's lr, momentum, ...)."""
+    return float(x.item() if hasattr(x, "item") else x)
 
 
 def _log(msg):
@@ -57,7 +74,11 @@ class _Root:
                 if roles[pi] == "muon" and fp.sharded_param.requires_grad:
                     self.owned.add(id(fp.sharded_param))
         self.dirty = False  # owners stepped since the last write-back
-        self.optimizer = None  # weakref to the one optimizer that steps this root
+        self.optimizer = None  # weakref to the one optimizer that steps the root's matrices
+        # torch.optim.Muon over the root's matrices at the first forward: a weakref to it and
+        # the hyper-parameters registered from it (the manifest's optimizer keys)
+        self.muon = None
+        self.muon_hp = None
 
 
 class Companion:
@@ -122,11 +143,12 @@ class Companion:
                 f"HSDP with a shard group of one rank ({manifest['replicate']} replicas of 1): "
                 "every rank would own every matrix, which is plain replication; mfsdp does not "
                 "support it (use a shard group of 2 or more ranks, or run without mfsdp-run)")
+        root = _Root(None, manifest, layout, module, pg)
+        self._adopt_muon(root)  # torch.optim.Muon's hyper-parameters into the manifest
         if self.write_path and rank == 0:
             with open(self.write_path, "w") as f:
                 f.write(dumps(manifest) + "\n")
-        handle = self.shim.register(dumps(manifest))
-        root = _Root(handle, manifest, layout, module, pg)
+        root.handle = self.shim.register(dumps(manifest))
         with _lock:
             self.roots.append(root)
             for gi, (g, _) in enumerate(layout):
@@ -137,7 +159,95 @@ class Companion:
         if rank == 0:
             _log(f"registered {len(layout)} FSDP2 groups of {type(module).__name__} "
                  f"({len(root.owned)} owner-managed matrices, world {manifest['world_size']} "
-                 f"x {manifest['replicate']})")
+                 f"x {manifest['replicate']})" +
+                 (f"; Muon hyper-parameters from torch.optim.Muon: {root.muon_hp}"
+                  if root.muon_hp is not None else ""))
+
+    def _muon_class(self):
+        return getattr(self.torch.optim, "Muon", None)
+
+    def _adopt_muon(self, root):
+        """A torch.optim.Muon that holds matrices of the root at its first forward: its
+        hyper-parameters become the owners' (the manifest's optimizer keys, which the shim
+        registers and agrees across ranks)."""
+        import weakref
+        cls = self._muon_class()
+        if cls is None or not root.owned:
+            return
+        found = [o for o in list(getattr(self, "_lr0", {}).keys())
+                 if isinstance(o, cls) and
+                 any(id(p) in root.owned for g in o.param_groups for p in g["params"])]
+        if not found:
+            return
+        if len(found) > 1:
+            raise CompanionError(
+                f"{len(found)} torch.optim.Muon optimizers hold matrices of one FSDP2 root; "
+                "mfsdp's owners step every matrix of a root with one set of Muon "
+                "hyper-parameters: put the root's matrices in one torch.optim.Muon")
+        hp = self._muon_hparams(found[0], root)
+        env = [v for v in _MUON_ENV if os.environ.get(v)]
+        if env:
+            raise CompanionError(
+                f"{', '.join(env)} set while torch.optim.Muon steps the matrices of the FSDP2 "
+                "root: mfsdp's owners take Muon's hyper-parameters from torch.optim.Muon, so "
+                "these variables would contradict it; set the values on torch.optim.Muon and "
+                "unset the variables")
+        root.manifest.setdefault("optimizer", {}).update(hp)
+        root.muon = weakref.ref(found[0])
+        root.muon_hp = hp
+
+    def _muon_hparams(self, optimizer, root):
+        """The owners' Muon hyper-parameters (the manifest's optimizer keys, lr = the initial
+        lr) from the param groups of torch.optim.Muon `optimizer` that hold matrices of the
+        root; CompanionError where mfsdp's Muon cannot do what the optimizer says."""
+        hp, first = None, None
+        for i, group in enumerate(optimizer.param_groups):
+            if not any(id(p) in root.owned for p in group["params"]):
+                continue
+            adjust = group.get("adjust_lr_fn")
+            if adjust not in _MUON_SCALE:
+                raise CompanionError(
+                    f"torch.optim.Muon param group {i}: adjust_lr_fn={adjust!r}; mfsdp's owners "
+                    "scale updates as 'original' (max(1, rows/cols)^0.5, the default) or "
+                    "'match_rms_adamw' (0.2 sqrt(max(rows, cols))) only")
+            coef = tuple(_num(c) for c in group.get("ns_coefficients", _NS_ABC))
+            if coef != _NS_ABC:
+                raise CompanionError(
+                    f"torch.optim.Muon param group {i}: ns_coefficients={coef}; mfsdp's "
+                    f"Newton-Schulz uses {_NS_ABC} (torch's default) only")
+            eps = _num(group.get("eps", _NS_EPS))
+            if eps != _NS_EPS:
+                raise CompanionError(
+                    f"torch.optim.Muon param group {i}: eps={eps}; mfsdp's Newton-Schulz "
+                    f"normalises by the norm + {_NS_EPS} (torch's default eps) only")
+            one = {"lr": self._initial_lr(optimizer, i, group),
+                   "momentum": _num(group["momentum"]),
+                   "nesterov": bool(group["nesterov"]),
+                   "ns_steps": int(group["ns_steps"]),
+                   "weight_decay": _num(group["weight_decay"]),
+                   "scale": _MUON_SCALE[adjust]}
+            if hp is None:
+                hp, first = one, i
+            elif one != hp:
+                key = next(k for k in hp if hp[k] != one[k])
+                raise CompanionError(
+                    f"torch.optim.Muon's param groups {first} and {i} differ in {key} "
+                    f"({hp[key]!r} vs {one[key]!r}); mfsdp's owners step every matrix of an "
+                    "FSDP2 root with one set of Muon hyper-parameters (the lr may follow a "
+                    "schedule, the same for all)")
+        return hp
+
+    def _check_muon_unchanged(self, root, optimizer):
+        hp = self._muon_hparams(optimizer, root)
+        if hp != root.muon_hp:
+            key = next(k for k in root.muon_hp if hp is None or hp.get(k) != root.muon_hp[k])
+            now = hp.get(key) if hp is not None else None
+            raise CompanionError(
+                f"torch.optim.Muon's {'initial lr' if key == 'lr' else key} is {now!r}, but "
+                f"mfsdp registered {root.muon_hp[key]!r} from it at the FSDP2 root's first "
+                "forward: the owners' Muon hyper-parameters cannot change during training (a "
+                "momentum or weight-decay schedule); only the lr may follow a schedule "
+                "(through its current / initial ratio)")
 
     # ---- tagging ---------------------------------------------------------------------
 
@@ -351,7 +461,8 @@ class Companion:
         if not getattr(orig_zero, "_mfsdp", False):
             def zero_grad(optimizer, set_to_none=True):
                 orig_zero(optimizer, set_to_none)
-                comp.on_zero_grad(p for g in optimizer.param_groups for p in g["params"])
+                comp.on_zero_grad((p for g in optimizer.param_groups for p in g["params"]),
+                                  matrices=True)
             zero_grad._mfsdp = True
             zero_grad.__doc__ = orig_zero.__doc__
             Optimizer.zero_grad = zero_grad
@@ -405,25 +516,37 @@ class Companion:
                     "clipping would leave them out; use torch.nn.utils.clip_grad_norm_, which "
                     "mfsdp extends to the owners")
 
-    def on_zero_grad(self, params):
-        for root in self.roots_of(params):
-            self.shim.zero_grads(root.handle)
+    def on_zero_grad(self, params, matrices=False):
+        """Drop the owners' gradients of the roots some of params belong to; matrices=True (an
+        optimizer's zero_grad): only where params hold owner-managed matrices, so the zero_grad
+        of an optimizer of the root's other params leaves the owners' gradients alone."""
+        ids = {id(p) for p in params}
+        for root in self.roots:
+            if root is None:
+                continue
+            keys = root.owned if matrices and root.owned else root.params
+            if not keys.isdisjoint(ids):
+                self.shim.zero_grads(root.handle)
 
     def on_optimizer_step(self, optimizer):
         for root in self.roots:
             if root is None:
                 continue
+            # The optimizer that holds the root's matrices steps the owners (an optimizer of the
+            # root's other params only, say AdamW beside torch.optim.Muon, does not).
+            keys = root.owned or root.params
             factor = None
             for i, group in enumerate(optimizer.param_groups):
-                if not any(id(p) in root.params for p in group["params"]):
+                if not any(id(p) in keys for p in group["params"]):
                     continue
                 f = self._lr_factor(optimizer, i, group)
                 if factor is None:
                     factor = f
                 elif abs(f - factor) > 1e-12 * max(1.0, abs(factor)):
                     raise CompanionError(
-                        f"the optimizer's param groups follow different lr schedules ({factor} "
-                        f"vs {f} of the initial lr); mfsdp's owners follow one")
+                        f"the optimizer's param groups that hold the root's matrices follow "
+                        f"different lr schedules ({factor} vs {f} of the initial lr); mfsdp's "
+                        "owners follow one")
             if factor is None:
                 continue
             self._check_optimizer(root, optimizer)
@@ -436,18 +559,32 @@ class Companion:
 
     def _check_optimizer(self, root, optimizer):
         """The owners step every trainable matrix of the root at once, with one lr factor: the
-        root's params must be stepped by one optimizer that holds all its trainable matrices."""
+        root's matrices must be stepped by one optimizer that holds them all; when it is
+        torch.optim.Muon, with the hyper-parameters registered from it."""
         import weakref
+        cls = self._muon_class()
+        is_muon = cls is not None and isinstance(optimizer, cls)
         bound = root.optimizer() if root.optimizer is not None else None
         if bound is optimizer:
+            if is_muon:
+                self._check_muon_unchanged(root, optimizer)
             return
         if bound is not None:
             raise CompanionError(
-                "two optimizers step params of one FSDP2 root that mfsdp trains; its owners step "
-                "every matrix of the root at once with one lr factor: put the root's params in "
-                "one optimizer (param groups may differ in weight decay, not in schedule)")
+                "two optimizers step matrices of one FSDP2 root that mfsdp trains; its owners "
+                "step every matrix of the root at once with one lr factor: put the root's "
+                "matrices in one optimizer (torch.optim.Muon, or the one of the other params; "
+                "the other params may have optimizers of their own)")
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = root.owned - held
+        other = [o for o in list(getattr(self, "_lr0", {}).keys()) if o is not optimizer and
+                 any(id(p) in missing for g in o.param_groups for p in g["params"])]
+        if missing and other:
+            raise CompanionError(
+                f"two optimizers step matrices of one FSDP2 root that mfsdp trains (this "
+                f"{type(optimizer).__name__} and another {type(other[0]).__name__}); its owners step "
+                "every matrix of the root at once with one lr factor: put the root's matrices "
+                "in one optimizer")
         if missing:
             names = [n for n, p in root.module.named_parameters() if id(p) in missing]
             raise CompanionError(
@@ -455,11 +592,27 @@ class Companion:
                 f"the optimizer that steps it (e.g. {names[0] if names else '?'}); mfsdp's owners "
                 "step every trainable matrix: add it to the optimizer, or freeze it "
                 "(requires_grad=False) before the first forward")
+        if is_muon:
+            if root.muon_hp is None:
+                raise CompanionError(
+                    "torch.optim.Muon steps the matrices of an FSDP2 root, but it did not exist "
+                    "at the root's first forward, when mfsdp registered the owners' Muon "
+                    "hyper-parameters (its defaults and MFSDP_*): create the optimizer before "
+                    "the first forward (after importing torch.distributed.fsdp)")
+            self._check_muon_unchanged(root, optimizer)  # a new one with the same values is ok
+            root.muon = weakref.ref(optimizer)
+        elif root.muon_hp is not None:
+            raise CompanionError(
+                f"{type(optimizer).__name__} steps the matrices of an FSDP2 root whose Muon "
+                "hyper-parameters mfsdp registered from a torch.optim.Muon over them: step the "
+                "matrices with that torch.optim.Muon")
         root.optimizer = weakref.ref(optimizer)
 
     def _lr_factor(self, optimizer, i, group):
-        lr = group["lr"]
-        lr = float(lr.item() if hasattr(lr, "item") else lr)
+        return _num(group["lr"]) / self._initial_lr(optimizer, i, group)
+
+    def _initial_lr(self, optimizer, i, group):
+        lr = _num(group["lr"])
         created = getattr(self, "_lr0", {}).get(optimizer, [])
         if "initial_lr" in group:  # set by every torch LRScheduler
             init = group["initial_lr"]
@@ -468,10 +621,10 @@ class Companion:
         else:  # created before the companion was loaded: its lr at the first step
             seen = optimizer.__dict__.setdefault("_mfsdp_initial_lr", {})
             init = seen.setdefault(i, lr)
-        init = float(init.item() if hasattr(init, "item") else init)
+        init = _num(init)
         if init <= 0:
             raise CompanionError(f"optimizer param group {i}: initial lr {init} is not > 0")
-        return lr / init
+        return init
 
     # ---- gradient clipping -------------------------------------------------------------
 

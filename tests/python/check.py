@@ -23,8 +23,13 @@ and examples/pytorch/train_fsdp2.py. One test per invocation:
                            a real FSDP2 job (Shard(1), reshard_after_forward=int, two meshes,
                            bad MFSDP_PY_ADAMW, divide rule changed, clip norm_type, two lr
                            schedules, bad MFSDP_COMPANION, a collective that never reached
-                           the shim, HSDP on one-rank shard groups; at 1 rank: a divide
-                           factor at world size 1).
+                           the shim, HSDP on one-rank shard groups, matrices split over two
+                           optimizers, torch.optim.Muon created after the first forward, its
+                           momentum changed, its unsupported adjust_lr_fn, its groups
+                           differing, MFSDP_LR beside it, another optimizer stepping its
+                           matrices; at 1 rank: a divide factor at world size 1), and what
+                           is accepted: an optimizer of the other params beside the matrices'
+                           one, torch.optim.Muon's hyper-parameters registered.
   package                  pip builds a pure-Python wheel whose mfsdp-run console script runs.
   refusals                 mfsdp-run refuses clearly: shim not found, MFSDP_PRELOAD_LIB
                            missing, unknown torch version, unknown FSDP2 source; the
@@ -37,6 +42,8 @@ and examples/pytorch/train_fsdp2.py. One test per invocation:
                            and the job's own saved state (state_dict after the write-back)
                            holds them; at 1 rank too (the companion issues the reduce-scatter
                            FSDP2 elides there and writes the weights back after each step).
+                           torch_muon: the job's torch.optim.Muon (non-default hyper-
+                           parameters) beside AdamW, against the float64 Muon with the same.
   untagged --np N          PHASE 2: an untagged all-gather on a tagged communicator stops
                            the job with a clear error.
 Exit 77 (meson: skipped) only for the phase-2 tests when the shim lacks the tagged mode.
@@ -76,6 +83,10 @@ CONFIGS = {
     "reshard_root": ["--reshard-root"],
     "manual_lr": ["--manual-lr"],
     "tied_manual_lr": ["--tied", "--manual-lr"],
+    # torch.optim.Muon for the matrices (hyper-parameters other than mfsdp's defaults), AdamW
+    # for the rest, each with its LambdaLR; AdamW's zero_grad() runs before Muon's step.
+    "torch_muon": ["--optimizer", "muon", "--muon-lr", "0.03", "--muon-momentum", "0.9",
+                   "--muon-wd", "0.1", "--muon-adjust", "match_rms_adamw"],
 }
 STEPS = ["--steps", "4"]
 NCCL_DT = {"float32": 7, "bfloat16": 9, "float16": 6}
@@ -661,7 +672,7 @@ def cmd_errors(args, r):
                  expect_ok=False)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith(("ok:", "errors:", "FAIL"))]
     print("\n".join(lines))
-    want = 17 if args.np == 4 else 1
+    want = 25 if args.np == 4 else 1
     if p.returncode != 0 or f"errors: {want} cases ok" not in p.stdout:
         sys.stdout.write(p.stdout[-4000:])
         fail(f"errors_job.py at {args.np} ranks: exit status {p.returncode}")
@@ -756,7 +767,7 @@ def cmd_e2e(args, r):
     # this compares the owners' weights (Muon matrices) and the job's AdamW tail alike.
     what = "mfsdp-run"
     compare(out, ref, tol, f"{what} {args.config} at {args.np} ranks vs float64 Muon")
-    if args.config == "default":  # torch's own Muon, at bf16 accuracy
+    if args.config in ("default", "torch_muon"):  # torch's own Muon, at bf16 accuracy
         tref = os.path.join(r.tmp, "reftorch.pt")
         r.reference(args.np, flags, tref, "torch-muon")
         compare(out, tref, TORCH_MUON_TOL,

@@ -55,6 +55,22 @@ class AcceptingShim:
         self.reloaded = getattr(self, "reloaded", []) + [handle]
 
 
+class CountingShim(AcceptingShim):
+    """Records the manifests registered and the owners' steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.manifests, self.steps = [], []
+
+    def register(self, manifest_json):
+        import json
+        self.manifests.append(json.loads(manifest_json))
+        return super().register(manifest_json)
+
+    def step(self, handle, lr_factor):
+        self.steps.append((handle, lr_factor))
+
+
 class PendingShim(AcceptingShim):
     """A shim whose tags are never consumed: the collective did not reach it."""
 
@@ -221,13 +237,129 @@ def main():
 
     def two_optimizers():
         m = fresh()
-        # the matrices in one optimizer, the rest in another: a common Muon set-up
-        opt_a = torch.optim.AdamW([p for p in m.parameters() if p.ndim == 2], lr=1e-3)
-        opt_b = torch.optim.AdamW([p for p in m.parameters() if p.ndim != 2], lr=1e-3)
+        # the matrices split over two optimizers (the owners step them all at once)
+        opt_a = torch.optim.AdamW([m[0].weight, m[0].bias, m[2].bias], lr=1e-3)
+        opt_b = torch.optim.AdamW([m[2].weight], lr=1e-3)
         opt_a.step()
         opt_b.step()
-    expect("two optimizers on one root", companion.CompanionError,
-           ["two optimizers step params of one FSDP2 root"], two_optimizers)
+    expect("matrices of one root in two optimizers", companion.CompanionError,
+           ["two optimizers step matrices of one FSDP2 root"], two_optimizers)
+    cases += 1
+
+    matrices = lambda m: [m[0].weight, m[2].weight]  # noqa: E731  (owner-managed)
+    others = lambda m: [m[0].bias, m[2].bias]  # noqa: E731
+
+    # The matrices in one optimizer, the rest in another (torch.optim.Muon's set-up): the
+    # other optimizer's step does not step the owners and its zero_grad() (before the
+    # matrices' step) keeps the owners' gradients.
+    saved = comp.shim
+    comp.shim = CountingShim()
+    try:
+        m = fresh()
+        root = [r for r in comp.roots if r is not None and r.module is m][0]
+        opt_m = torch.optim.AdamW(matrices(m), lr=1e-3)
+        opt_o = torch.optim.AdamW(others(m), lr=5e-4)
+        sched_o = torch.optim.lr_scheduler.LambdaLR(opt_o, lambda t: 0.5 ** t)
+        opt_o.step()
+        opt_o.zero_grad()
+        sched_o.step()
+        got = (list(comp.shim.steps), list(getattr(comp.shim, "zeroed", [])))
+        opt_m.step()
+        opt_m.zero_grad()
+        if got != ([], []) or comp.shim.steps != [(root.handle, 1.0)] or \
+                comp.shim.zeroed != [root.handle]:
+            raise SystemExit(f"FAIL: split optimizers: before the matrices' step {got}, after "
+                             f"{comp.shim.steps}, {getattr(comp.shim, 'zeroed', [])}")
+    finally:
+        comp.shim = saved
+    if dist.get_rank() == 0:
+        print("ok: an optimizer of the other params neither steps the owners nor drops their "
+              "gradients", flush=True)
+    cases += 1
+
+    # torch.optim.Muon over the matrices at the first forward: its hyper-parameters are
+    # registered as the owners' (the manifest's optimizer keys).
+    saved = comp.shim
+    comp.shim = CountingShim()
+    try:
+        m = model()
+        fully_shard(m, mesh=mesh)
+        muon = torch.optim.Muon(matrices(m), lr=0.03, momentum=0.9, weight_decay=0.05,
+                                adjust_lr_fn="match_rms_adamw")
+        fwd_bwd(m)
+        reg = comp.shim.manifests[-1].get("optimizer")
+        want = {"lr": 0.03, "momentum": 0.9, "nesterov": True, "ns_steps": 5,
+                "weight_decay": 0.05, "scale": "moonlight"}
+        if reg != want:
+            raise SystemExit(f"FAIL: torch.optim.Muon registered {reg}, want {want}")
+        muon.step()
+        if len(comp.shim.steps) != 1:
+            raise SystemExit(f"FAIL: torch.optim.Muon's step ran {comp.shim.steps}")
+    finally:
+        comp.shim = saved
+    if dist.get_rank() == 0:
+        print(f"ok: torch.optim.Muon's hyper-parameters registered: {reg}", flush=True)
+    cases += 1
+
+    def muon_late():
+        m = fresh()
+        torch.optim.Muon(matrices(m), lr=0.02, weight_decay=0.0).step()
+    expect("torch.optim.Muon created after the first forward", companion.CompanionError,
+           ["did not exist at the root's first forward"], muon_late)
+    cases += 1
+
+    def muon_changed():
+        m = model()
+        fully_shard(m, mesh=mesh)
+        muon = torch.optim.Muon(matrices(m), lr=0.02, weight_decay=0.0)
+        fwd_bwd(m)
+        muon.step()
+        for g in muon.param_groups:  # a momentum warm-up
+            g["momentum"] = 0.85
+        fwd_bwd(m)
+        muon.step()
+    expect("torch.optim.Muon's momentum changed", companion.CompanionError,
+           ["momentum is 0.85", "registered 0.95", "cannot change"], muon_changed)
+    cases += 1
+
+    def muon_with(**kw):
+        def run():
+            m = model()
+            fully_shard(m, mesh=mesh)
+            groups = kw.pop("groups", None) or [{"params": matrices(m)}]
+            opt = torch.optim.Muon(groups if not callable(groups) else groups(m), **kw)
+            fwd_bwd(m)  # registers the root (the optimizer must be alive then)
+            opt.step()
+        return run
+    expect("torch.optim.Muon adjust_lr_fn=spectral_unclamped", companion.CompanionError,
+           ["adjust_lr_fn='spectral_unclamped'"],
+           muon_with(lr=0.02, adjust_lr_fn="spectral_unclamped"))
+    cases += 1
+    expect("torch.optim.Muon param groups of different weight decay", companion.CompanionError,
+           ["differ in weight_decay"],
+           muon_with(lr=0.02, groups=lambda m: [{"params": [m[0].weight]},
+                                                {"params": [m[2].weight], "weight_decay": 0}]))
+    cases += 1
+
+    def muon_env():
+        os.environ["MFSDP_LR"] = "0.05"
+        try:
+            muon_with(lr=0.02)()
+        finally:
+            del os.environ["MFSDP_LR"]
+    expect("MFSDP_LR beside torch.optim.Muon", companion.CompanionError,
+           ["MFSDP_LR set while torch.optim.Muon"], muon_env)
+    cases += 1
+
+    def muon_bypassed():
+        m = model()
+        fully_shard(m, mesh=mesh)
+        muon = torch.optim.Muon(matrices(m), lr=0.02)  # noqa: F841  (registered, not used)
+        fwd_bwd(m)
+        torch.optim.AdamW(m.parameters(), lr=1e-3).step()
+    expect("another optimizer steps matrices registered from torch.optim.Muon",
+           companion.CompanionError, ["AdamW steps the matrices", "torch.optim.Muon"],
+           muon_bypassed)
     cases += 1
 
     def matrix_left_out():

@@ -19,7 +19,10 @@ Optimizers (--optim):
   frozen-muon the block matrices never change and their gradients are left out of the clip
              norm; AdamW trains the rest: what the job does under the companion with a shim
              that moves no data (tests/python/launch/fake_shim.py).
-Muon's lr is mfsdp's default (0.02, --muon-lr), multiplied by the job's lr factor each step.
+Muon's hyper-parameters are the job's --muon-lr, --muon-momentum, --muon-wd and --muon-adjust
+(mfsdp's defaults unless given: lr 0.02, momentum 0.95, weight decay 0, keller scale; the job's
+torch.optim.Muon takes them with --optimizer muon), the lr multiplied by the job's lr factor
+each step.
 
 Writes {name: tensor} (torch.save) of the final weights to --out.
 """
@@ -55,13 +58,15 @@ def muon_params(model):
 
 class Muon64:
     """mfsdp's Muon (docs/design.md, "The optimizer step") in a given dtype: momentum, Nesterov,
-    X / (||X||_F + 1e-7), 5 Newton-Schulz steps, keller scale max(1, rows/cols)^0.5."""
+    X / (||X||_F + 1e-7), 5 Newton-Schulz steps, keller scale max(1, rows/cols)^0.5 or
+    moonlight 0.2 sqrt(max(rows, cols))."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5,
-                 weight_decay=0.0, dtype=torch.float64):
+                 weight_decay=0.0, scale="keller", dtype=torch.float64):
         self.params = list(params)
         self.lr, self.beta, self.nesterov = lr, momentum, nesterov
         self.ns_steps, self.wd, self.dtype = ns_steps, weight_decay, dtype
+        self.scale = scale
         self.m = {id(p): torch.zeros(p.shape, dtype=dtype) for p in self.params}
 
     @torch.no_grad()
@@ -85,12 +90,16 @@ class Muon64:
                 x = a * x + B @ x
             if rows > cols:
                 x = x.T
-            upd = x * max(1.0, rows / cols) ** 0.5
+            if self.scale == "keller":
+                upd = x * max(1.0, rows / cols) ** 0.5
+            else:
+                upd = x * 0.2 * max(rows, cols) ** 0.5
             w = p.to(self.dtype) * (1 - lr * self.wd) - lr * upd.reshape(p.shape)
             p.copy_(w.to(p.dtype))
 
 
-def train(args, world, optim, muon_lr=0.02):
+def train(args, world, optim):
+    muon_lr = args.muon_lr
     model = job.build_model(args)
     params = dict(model.named_parameters())
     trainable = {n: p for n, p in params.items() if p.requires_grad}
@@ -100,10 +109,13 @@ def train(args, world, optim, muon_lr=0.02):
     lam = job.lr_lambda(args)
     mp = [trainable[n] for n in muon_names]
     if optim in ("muon64", "muon32"):
-        muon = Muon64(mp, lr=muon_lr, dtype=torch.float64 if optim == "muon64" else torch.float32)
+        muon = Muon64(mp, lr=muon_lr, momentum=args.muon_momentum, weight_decay=args.muon_wd,
+                      scale="keller" if args.muon_adjust == "original" else "moonlight",
+                      dtype=torch.float64 if optim == "muon64" else torch.float32)
     elif optim == "torch-muon":
-        muon = torch.optim.Muon(mp, lr=muon_lr, weight_decay=0.0, momentum=0.95, nesterov=True,
-                                ns_steps=5, adjust_lr_fn="original") if mp else None
+        muon = torch.optim.Muon(mp, lr=muon_lr, weight_decay=args.muon_wd,
+                                momentum=args.muon_momentum, nesterov=True, ns_steps=5,
+                                adjust_lr_fn=args.muon_adjust) if mp else None
     else:
         muon = None
     names = list(trainable)
@@ -171,11 +183,10 @@ def main():
     ap.add_argument("--optim", choices=["adamw", "muon64", "muon32", "torch-muon",
                                         "frozen-muon"],
                     default="adamw")
-    ap.add_argument("--muon-lr", type=float, default=0.02)
     ap.add_argument("--out", required=True)
     ours, rest = ap.parse_known_args()
     args = job.parse_args(rest)
-    torch.save(train(args, ours.world, ours.optim, ours.muon_lr), ours.out)
+    torch.save(train(args, ours.world, ours.optim), ours.out)
 
 
 if __name__ == "__main__":
