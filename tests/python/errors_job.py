@@ -308,9 +308,13 @@ def main():
            ["did not exist at the root's first forward"], muon_late)
     cases += 1
 
-    def muon_changed():
+    def sharded():  # a new FSDP2 model, not registered yet (no forward)
         m = model()
         fully_shard(m, mesh=mesh)
+        return m
+
+    def muon_changed():
+        m = sharded()
         muon = torch.optim.Muon(matrices(m), lr=0.02, weight_decay=0.0)
         fwd_bwd(m)
         muon.step()
@@ -324,8 +328,7 @@ def main():
 
     def muon_with(**kw):
         def run():
-            m = model()
-            fully_shard(m, mesh=mesh)
+            m = sharded()
             groups = kw.pop("groups", None) or [{"params": matrices(m)}]
             opt = torch.optim.Muon(groups if not callable(groups) else groups(m), **kw)
             fwd_bwd(m)  # registers the root (the optimizer must be alive then)
@@ -352,8 +355,7 @@ def main():
     cases += 1
 
     def muon_bypassed():
-        m = model()
-        fully_shard(m, mesh=mesh)
+        m = sharded()
         muon = torch.optim.Muon(matrices(m), lr=0.02)  # noqa: F841  (registered, not used)
         fwd_bwd(m)
         torch.optim.AdamW(m.parameters(), lr=1e-3).step()
