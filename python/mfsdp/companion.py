@@ -601,6 +601,17 @@ class Companion:
                     "the first forward (after importing torch.distributed.fsdp)")
             self._check_muon_unchanged(root, optimizer)  # a new one with the same values is ok
             root.muon = weakref.ref(optimizer)
+        elif root.muon_hp is None and not os.environ.get("MFSDP_LR") and any(
+                "muon" in c.__name__.lower() for c in type(optimizer).__mro__):
+            # Another Muon (Keller Jordan's MuonWithAuxAdam, a framework's own): its
+            # hyper-parameters are not readable here, and mfsdp's defaults would replace them.
+            raise CompanionError(
+                f"{type(optimizer).__name__} steps the matrices of an FSDP2 root: mfsdp's owners "
+                "run their own Muon with the MFSDP_* hyper-parameters (lr 0.02, momentum 0.95, "
+                "Nesterov, weight decay 0, keller scale unless set), not this optimizer's, "
+                "which mfsdp cannot read; set MFSDP_LR (and MFSDP_MOMENTUM, "
+                "MFSDP_WEIGHT_DECAY, MFSDP_SCALE, ... where they differ) to say which apply, or "
+                "use torch.optim.Muon, whose values mfsdp takes")
         elif root.muon_hp is not None:
             raise CompanionError(
                 f"{type(optimizer).__name__} steps the matrices of an FSDP2 root whose Muon "

@@ -354,6 +354,22 @@ def main():
            ["MFSDP_LR set while torch.optim.Muon"], muon_env)
     cases += 1
 
+    class MuonWithAuxAdam(torch.optim.AdamW):  # another Muon, whose values mfsdp cannot read
+        pass
+
+    def other_muon():
+        m = fresh()
+        MuonWithAuxAdam(m.parameters(), lr=0.02).step()
+    expect("another Muon optimizer without MFSDP_LR", companion.CompanionError,
+           ["MuonWithAuxAdam steps the matrices", "set MFSDP_LR"], other_muon)
+    cases += 1
+    os.environ["MFSDP_LR"] = "0.02"
+    try:
+        m = fresh()
+        MuonWithAuxAdam(m.parameters(), lr=0.02).step()  # said which values apply: accepted
+    finally:
+        del os.environ["MFSDP_LR"]
+
     def muon_bypassed():
         m = sharded()
         muon = torch.optim.Muon(matrices(m), lr=0.02)  # noqa: F841  (registered, not used)
