@@ -123,10 +123,22 @@ static int companion_config_refused(void)
         return 1;
     }
     if (shim_ckpt_enabled(shim_cfg)) {
+        static const char *const ckpt_vars[] = {"MFSDP_CKPT_DIR", "MFSDP_CKPT_EVERY",
+                                                "MFSDP_CKPT_KEEP", "MFSDP_RESUME", "MFSDP_INIT"};
+        const char *set = "?";
+        for (size_t i = 0; i < sizeof(ckpt_vars) / sizeof(ckpt_vars[0]); i++) {
+            const char *v = getenv(ckpt_vars[i]);
+            if (v != NULL && *v != '\0') {
+                set = ckpt_vars[i];
+                break;
+            }
+        }
         init_error(MFSDP_ERR_CONFIG,
-                   "MFSDP_CKPT_DIR, MFSDP_RESUME and MFSDP_INIT apply to jobs run with "
-                   "MFSDP_MANIFEST; a PyTorch job under mfsdp-run keeps its own "
-                   "checkpoints (its state_dict holds the trained weights)");
+                   "%s is set, but MFSDP_CKPT_DIR, MFSDP_CKPT_EVERY, MFSDP_CKPT_KEEP, "
+                   "MFSDP_RESUME and MFSDP_INIT apply to jobs run with MFSDP_MANIFEST; a PyTorch "
+                   "job under mfsdp-run keeps its own checkpoints (its state_dict holds the "
+                   "trained weights)",
+                   set);
         return 1;
     }
     return 0;

@@ -110,7 +110,9 @@ int shim_report_exit(int world_rank)
     int fail = kept.failed;
     uint64_t remapped = kept.ag + kept.rs + kept.ar;
     char what[256];
-    if (shim_recording()) {
+    if (shim_init_error()[0] != '\0') {
+        snprintf(what, sizeof(what), "the MFSDP_* configuration was refused (above)");
+    } else if (shim_recording()) {
         snprintf(what, sizeof(what), "recording to %s (pass-through)", cfg->record);
     } else if (manifest) {
         snprintf(what, sizeof(what), "manifest %s", cfg->manifest);

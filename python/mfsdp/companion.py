@@ -79,6 +79,9 @@ class _Root:
         # the hyper-parameters registered from it (the manifest's optimizer keys)
         self.muon = None
         self.muon_hp = None
+        self.reduced = set()  # id(sharded param) of owned matrices reduced since the last step
+        self.zero_kept = False  # the last drop of the owners' gradients was set_to_none=False
+        self.keep_next_zero = False  # the zero_grad() right after a skipped DCP init step
 
 
 class Companion:
@@ -220,6 +223,11 @@ class Companion:
                 raise CompanionError(
                     f"torch.optim.Muon param group {i}: eps={eps}; mfsdp's Newton-Schulz "
                     f"normalises by the norm + {_NS_EPS} (torch's default eps) only")
+            if not 0.0 <= _num(group["momentum"]) < 1.0 or not 0 <= int(group["ns_steps"]) < 100:
+                raise CompanionError(
+                    f"torch.optim.Muon param group {i}: momentum {group['momentum']} and "
+                    f"ns_steps {group['ns_steps']}; mfsdp's Muon takes momentum in [0, 1) and "
+                    "ns_steps in [0, 100) (torch's own limit)")
             one = {"lr": self._initial_lr(optimizer, i, group),
                    "momentum": _num(group["momentum"]),
                    "nesterov": bool(group["nesterov"]),
@@ -315,6 +323,7 @@ class Companion:
             for fp in fsdp_params:
                 if id(fp.sharded_param) in root.owned:
                     fp.sharded_param.grad = None
+                    root.reduced.add(id(fp.sharded_param))
             return out
 
         foreach_all_gather._mfsdp = foreach_reduce._mfsdp = True
@@ -462,7 +471,7 @@ class Companion:
             def zero_grad(optimizer, set_to_none=True):
                 orig_zero(optimizer, set_to_none)
                 comp.on_zero_grad((p for g in optimizer.param_groups for p in g["params"]),
-                                  matrices=True)
+                                  set_to_none, optimizer=optimizer)
             zero_grad._mfsdp = True
             zero_grad.__doc__ = orig_zero.__doc__
             Optimizer.zero_grad = zero_grad
@@ -471,7 +480,7 @@ class Companion:
         if not getattr(orig_mzero, "_mfsdp", False):
             def module_zero_grad(module, set_to_none=True):
                 orig_mzero(module, set_to_none)
-                comp.on_zero_grad(module.parameters())
+                comp.on_zero_grad(module.parameters(), set_to_none)
             module_zero_grad._mfsdp = True
             module_zero_grad.__doc__ = orig_mzero.__doc__
             Module.zero_grad = module_zero_grad
@@ -516,17 +525,30 @@ class Companion:
                     "clipping would leave them out; use torch.nn.utils.clip_grad_norm_, which "
                     "mfsdp extends to the owners")
 
-    def on_zero_grad(self, params, matrices=False):
-        """Drop the owners' gradients of the roots some of params belong to; matrices=True (an
-        optimizer's zero_grad): only where params hold owner-managed matrices, so the zero_grad
-        of an optimizer of the root's other params leaves the owners' gradients alone."""
+    def on_zero_grad(self, params, set_to_none=True, optimizer=None):
+        """zero_grad() of a module or an optimizer over params: drop the owners' gradients of
+        each root whose owner-managed matrices are all among params; params holding none of
+        them (the root's other params, a submodule without matrices) leave them alone; part
+        of them is refused (the owners drop a root's gradients together)."""
         ids = {id(p) for p in params}
         for root in self.roots:
-            if root is None:
+            if root is None or not root.owned:
                 continue
-            keys = root.owned if matrices and root.owned else root.params
-            if not keys.isdisjoint(ids):
-                self.shim.zero_grads(root.handle)
+            mine = root.owned & ids
+            if not mine:
+                continue
+            if root.keep_next_zero and optimizer is not None:
+                root.keep_next_zero = False  # DCP's own zero_grad after its skipped init step
+                continue
+            if mine != root.owned:
+                raise CompanionError(
+                    f"zero_grad() over {len(mine)} of the {len(root.owned)} owner-managed "
+                    "matrices of an FSDP2 root: mfsdp drops the owners' gradients of a root "
+                    "together; call zero_grad() on the root module or on the optimizer that "
+                    "holds all its matrices")
+            self.shim.zero_grads(root.handle)
+            root.reduced.clear()
+            root.zero_kept = not set_to_none
 
     def on_optimizer_step(self, optimizer):
         for root in self.roots:
@@ -550,12 +572,48 @@ class Companion:
             if factor is None:
                 continue
             self._check_optimizer(root, optimizer)
+            if self._stray_grads(root, optimizer, factor):
+                continue
+            if root.zero_kept and root.owned - root.reduced:
+                names = [n for n, p in root.module.named_parameters()
+                         if id(p) in root.owned - root.reduced]
+                raise CompanionError(
+                    f"{len(names)} owner-managed matrices (e.g. {names[0] if names else '?'}) got "
+                    "no gradient this step after zero_grad(set_to_none=False): torch's optimizer "
+                    "would step them with the zero gradient it keeps (momentum, weight decay), "
+                    "mfsdp's owners skip a matrix without gradient; use zero_grad() "
+                    "(set_to_none=True, the default)")
             self.shim.step(root.handle, factor)
+            root.reduced.clear()
             root.dirty = True
             if root.manifest["world_size"] == 1:
                 # FSDP2's next one-rank unshard copies the local shards: they must hold the
                 # owners' new weights before the next forward.
                 self.sync(root)
+
+    def _stray_grads(self, root, optimizer, factor):
+        """Owner-managed matrices never carry a .grad at a step (the owners hold their
+        gradients): one that does was set outside FSDP2's reduce-scatter. DCP's
+        get_optimizer_state_dict on an optimizer without state does so, zero gradients at lr
+        0, to build the state: that step is skipped for the owners (their real gradients
+        kept, as plain torch keeps them) and its matrices are left out of the job's step (on
+        a GPU torch.optim.Muon's Newton-Schulz over FSDP2 shards would issue collectives on the
+        communicator mfsdp manages). True when the step is such a skipped one."""
+        stray = [p for g in optimizer.param_groups for p in g["params"]
+                 if id(p) in root.owned and p.grad is not None]
+        if not stray:
+            return False
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in stray)]
+        if factor == 0.0 and not any(bool(t.any()) for t in local):
+            for p in stray:
+                p.grad = None
+            root.keep_next_zero = True
+            return True
+        name = next((n for n, p in root.module.named_parameters() if p is stray[0]), "?")
+        raise CompanionError(
+            f"owner-managed matrix {name} has a .grad that FSDP2's reduce-scatter did not leave "
+            "(mfsdp's owners hold these gradients and never see .grad): do not set .grad of "
+            "the matrices mfsdp trains")
 
     def _check_optimizer(self, root, optimizer):
         """The owners step every trainable matrix of the root at once, with one lr factor: the
@@ -593,6 +651,15 @@ class Companion:
                 "step every trainable matrix: add it to the optimizer, or freeze it "
                 "(requires_grad=False) before the first forward")
         if is_muon:
+            tail = [n for n, p in root.module.named_parameters()
+                    if id(p) in held and id(p) in root.params and id(p) not in root.owned and
+                    p.requires_grad]
+            if tail:
+                raise CompanionError(
+                    f"torch.optim.Muon also holds {tail[0]}, a param mfsdp leaves to the job "
+                    "(an embedding, the output projection, a match of MFSDP_PY_ADAMW): torch's Newton-Schulz on its FSDP2 shards would issue collectives "
+                    "on the communicator mfsdp manages; give it to the job's other optimizer "
+                    "(AdamW, as Muon's authors do)")
             if root.muon_hp is None:
                 raise CompanionError(
                     "torch.optim.Muon steps the matrices of an FSDP2 root, but it did not exist "

@@ -436,9 +436,14 @@ def cmd_ckpt_errors(args, tmp):
     # Tagged mode (the PyTorch companion, no manifest) keeps the job's own checkpoints.
     companion = {"LD_PRELOAD": args.preload, "MFSDP_COMPANION": "tag", "MFSDP_CKPT_DIR": root}
     w, proc = run_job(args, tmp, "companion", extra, companion, expect_ok=False, each_rank=True)
-    expect_one_error(proc, w, ["MFSDP_CKPT_DIR, MFSDP_RESUME and MFSDP_INIT apply to jobs run "
-                               "with MFSDP_MANIFEST"], "checkpoint variables in tagged mode",
+    expect_one_error(proc, w, ["MFSDP_CKPT_DIR is set, but", "apply to jobs run with "
+                               "MFSDP_MANIFEST"], "checkpoint variables in tagged mode",
                      ranks=args.np)
+    companion = {"LD_PRELOAD": args.preload, "MFSDP_COMPANION": "tag", "MFSDP_CKPT_EVERY": "5"}
+    w, proc = run_job(args, tmp, "companion-every", extra, companion, expect_ok=False,
+                      each_rank=True)
+    expect_one_error(proc, w, ["MFSDP_CKPT_EVERY is set, but"],
+                     "MFSDP_CKPT_EVERY in tagged mode", ranks=args.np)
     # Under mfsdp-run the job keeps its optimizer for the tail, its schedule, accumulation and
     # clipping, and the companion builds the manifest: the variables that would configure
     # those are refused (MFSDP_TAIL=owner used to train the tail again, silently).

@@ -389,6 +389,77 @@ def main():
            ["in no param group", r"2\.weight"], matrix_left_out)
     cases += 1
 
+    def part_zero():
+        m = fresh()
+        m[0].zero_grad()  # one of the root's two matrices
+    expect("zero_grad() over part of a root's matrices", companion.CompanionError,
+           ["1 of the 2 owner-managed matrices"], part_zero)
+    cases += 1
+
+    def stray_grad():
+        m = fresh()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        m[0].weight.grad = torch.ones_like(m[0].weight)
+        opt.step()
+    expect("a .grad set on an owner-managed matrix", companion.CompanionError,
+           ["0.weight has a .grad that FSDP2's reduce-scatter did not leave"], stray_grad)
+    cases += 1
+
+    def kept_zero_unused():
+        m = fresh()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        opt.step()  # no backward: torch would step the matrices with their zero gradients
+    expect("zero_grad(set_to_none=False) and a matrix without gradient",
+           companion.CompanionError, ["got no gradient this step", "set_to_none=False"],
+           kept_zero_unused)
+    cases += 1
+
+    def muon_tail():
+        os.environ["MFSDP_PY_ADAMW"] = r"^2\."
+        try:
+            m = sharded()
+            muon = torch.optim.Muon(matrices(m), lr=0.02)
+            fwd_bwd(m)
+        finally:
+            del os.environ["MFSDP_PY_ADAMW"]
+        muon.step()
+    expect("torch.optim.Muon holding a param left to the job", companion.CompanionError,
+           [r"also holds 2\.weight"], muon_tail)
+    cases += 1
+    expect("torch.optim.Muon momentum 1", companion.CompanionError,
+           ["momentum in \\[0, 1\\)"], muon_with(lr=0.02, momentum=1.0))
+    cases += 1
+
+    # A submodule without matrices keeps the owners' gradients; DCP's
+    # get_optimizer_state_dict between backward and step (its zero-gradient, lr-0 step that
+    # builds a stateless optimizer's state) neither steps the owners nor drops their
+    # gradients.
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    saved = comp.shim
+    comp.shim = CountingShim()
+    try:
+        m = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+        fully_shard(m, mesh=mesh)
+        muon = torch.optim.Muon(matrices(m), lr=0.02)
+        adamw = torch.optim.AdamW(others(m) + list(m[1].parameters()), lr=1e-3)
+        fwd_bwd(m)
+        m[1].zero_grad()
+        get_optimizer_state_dict(m, muon)
+        got = (list(comp.shim.steps), list(getattr(comp.shim, "zeroed", [])))
+        adamw.step()
+        muon.step()
+        if got != ([], []) or len(comp.shim.steps) != 1:
+            raise SystemExit(f"FAIL: submodule zero_grad / DCP state dict: owners' steps and "
+                             f"drops {got} before the step, steps {comp.shim.steps} after")
+    finally:
+        comp.shim = saved
+    if dist.get_rank() == 0:
+        print("ok: a submodule's zero_grad() and DCP's get_optimizer_state_dict keep the "
+              "owners' gradients and step nothing", flush=True)
+    cases += 1
+
     def grad_scaler():
         m = fresh()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
