@@ -5,10 +5,11 @@
 
 A small pre-norm transformer on synthetic tokens (target = next token id (x + 1) mod vocab),
 AdamW with a linear-warmup + cosine LambdaLR (or, with --optimizer muon, torch.optim.Muon
-for the blocks' matrices beside AdamW for the rest, each with that LambdaLR), and flags for the configurations FSDP2 jobs
-use: gradient accumulation (set_requires_gradient_sync), no-grad eval, clip_grad_norm_, a
-frozen bf16 param, an unused trainable param, bf16 params with fp32 reduce, torchtitan-style
-wrapping, tied embedding/lm_head, HSDP, and a state_dict or DCP save of the final weights.
+for the blocks' matrices beside AdamW for the rest, each with that LambdaLR), and flags for
+the configurations FSDP2 jobs use: gradient accumulation (set_requires_gradient_sync),
+no-grad eval, clip_grad_norm_, a frozen bf16 param, an unused trainable param, bf16 params
+with fp32 reduce, activation checkpointing, torchtitan-style wrapping, tied embedding/lm_head,
+HSDP, and a state_dict or DCP save of the final weights.
 Init and data are deterministic (seeded), the same for every world size: rank r of n takes
 rows [r*B, (r+1)*B) of each global batch of n*B sequences.
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 def parse_args(argv=None):
@@ -62,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--save", default="", help="torch.save the full state_dict (rank 0)")
     p.add_argument("--dcp", default="", help="torch.distributed.checkpoint.save directory")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="activation checkpointing of each block (torch.utils.checkpoint)")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="muon: torch.optim.Muon for the blocks' 2-D weights, AdamW for the rest")
     p.add_argument("--muon-lr", type=float, default=0.02)
@@ -126,11 +130,15 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.dim, args.vocab, bias=False)
         if args.tied:
             self.lm_head.weight = self.embed.weight
+        self.checkpoint = getattr(args, "checkpoint", False)
 
     def forward(self, tokens):
         x = self.embed(tokens)
         for b in self.blocks:
-            x = b(x)
+            if self.checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+            else:
+                x = b(x)
         return self.lm_head(self.norm(x))
 
 

@@ -83,6 +83,8 @@ CONFIGS = {
     "reshard_root": ["--reshard-root"],
     "manual_lr": ["--manual-lr"],
     "tied_manual_lr": ["--tied", "--manual-lr"],
+    # activation checkpointing: each block's forward runs again inside its backward
+    "checkpoint": ["--checkpoint"],
     # torch.optim.Muon for the matrices (hyper-parameters other than mfsdp's defaults), AdamW
     # for the rest, each with its LambdaLR; AdamW's zero_grad() runs before Muon's step.
     "torch_muon": ["--optimizer", "muon", "--muon-lr", "0.03", "--muon-momentum", "0.9",
