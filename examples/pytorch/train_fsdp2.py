@@ -64,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--save", default="", help="torch.save the full state_dict (rank 0)")
     p.add_argument("--dcp", default="", help="torch.distributed.checkpoint.save directory")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--idle-block", action="store_true",
+                   help="the last block is never run (a module the job uses in another phase)")
     p.add_argument("--checkpoint", action="store_true",
                    help="activation checkpointing of each block (torch.utils.checkpoint)")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
@@ -131,10 +133,11 @@ class Transformer(nn.Module):
         if args.tied:
             self.lm_head.weight = self.embed.weight
         self.checkpoint = getattr(args, "checkpoint", False)
+        self.idle = 1 if getattr(args, "idle_block", False) else 0
 
     def forward(self, tokens):
         x = self.embed(tokens)
-        for b in self.blocks:
+        for b in self.blocks[:len(self.blocks) - self.idle]:
             if self.checkpoint and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
             else:

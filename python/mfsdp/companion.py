@@ -82,6 +82,7 @@ class _Root:
         self.reduced = set()  # id(sharded param) of owned matrices reduced since the last step
         self.zero_kept = False  # the last drop of the owners' gradients was set_to_none=False
         self.keep_next_zero = False  # the zero_grad() right after a skipped DCP init step
+        self.gathered = set()  # groups the owners took weights for (a tagged all-gather)
 
 
 class Companion:
@@ -265,9 +266,11 @@ class Companion:
         for root in self.roots:
             if root is not None and id(fsdp_params[0]) in root.param_of:
                 return root
+        name = fsdp_params[0]._param_fqn
         raise CompanionError(
-            f"{what}: FSDP2 param {fsdp_params[0]._param_fqn!r} belongs to no registered "
-            "manifest (was the FSDP2 root's forward run first?)")
+            f"{what} of FSDP2 param {name or '(not named yet)'} before its root's first forward "
+            "(an explicit unshard() before it?): mfsdp registers an FSDP2 model at its root's "
+            "first forward; run that forward before calling unshard()")
 
     def _hook_collectives(self):
         comp = self
@@ -429,6 +432,7 @@ class Companion:
         n = len(g.fsdp_params)
         if kind == "all_gather" and what == "ag":
             self.shim.tag(root.handle, _shim.TAG_ALLGATHER, gi, None, n)
+            root.gathered.add(gi)
         elif kind == "all_gather" and what == "sync":
             self.shim.tag(root.handle, _shim.TAG_SYNC, gi, None, n)
         elif kind == "reduce_scatter" and what == "rs":
@@ -796,7 +800,9 @@ class Companion:
             for gi, (g, roles) in enumerate(root.layout):
                 owned = [i for i, fp in enumerate(g.fsdp_params)
                          if id(fp.sharded_param) in root.owned]
-                if not owned:
+                if not owned or gi not in root.gathered:
+                    # a group never gathered (never run forward): the owners have no weights
+                    # and never stepped it; the job's shards hold its weights
                     continue
                 pg = g.mesh_info.shard_process_group
                 ws, rank = pg.size(), pg.rank()

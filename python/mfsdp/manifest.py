@@ -166,7 +166,9 @@ def build(root_state, root_module=None):
         for fp in g.fsdp_params:
             name = fp._param_fqn
             if not name:
-                raise ManifestError(f"group {gname!r}: a param has no FQN")
+                raise ManifestError(f"group {gname!r}: a param has no FQN (FSDP2 names them at "
+                                    "the root's first forward; an explicit unshard() before "
+                                    "it leaves them unnamed: run the forward first)")
             dim = fp.fsdp_placement.dim
             if dim != 0:
                 raise ManifestError(f"{name}: Shard({dim}) placement; mfsdp supports Shard(0) "

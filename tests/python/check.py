@@ -83,6 +83,8 @@ CONFIGS = {
     "reshard_root": ["--reshard-root"],
     "manual_lr": ["--manual-lr"],
     "tied_manual_lr": ["--tied", "--manual-lr"],
+    # a block never run: never gathered, so the owners have no weights to write back for it
+    "idle_block": ["--idle-block"],
     # activation checkpointing: each block's forward runs again inside its backward
     "checkpoint": ["--checkpoint"],
     # torch.optim.Muon for the matrices (hyper-parameters other than mfsdp's defaults), AdamW
