@@ -68,6 +68,13 @@ def parse_args(argv=None):
                    help="the last block is never run (a module the job uses in another phase)")
     p.add_argument("--checkpoint", action="store_true",
                    help="activation checkpointing of each block (torch.utils.checkpoint)")
+    p.add_argument("--revert", choices=["none", "load", "partial", "dcp", "dcp-partial"],
+                   default="none",
+                   help="at the start of step 2, put back the weights saved after step 0: "
+                   "model.load_state_dict of all of them (load) or of blocks.0 only with "
+                   "strict=False (partial), or torch.distributed.checkpoint.load in place into "
+                   "model.state_dict() (dcp: all, dcp-partial: blocks.0 only) with no "
+                   "load_state_dict after it; the optimizers keep their state")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="muon: torch.optim.Muon for the blocks' 2-D weights, AdamW for the rest")
     p.add_argument("--muon-lr", type=float, default=0.02)
@@ -224,6 +231,39 @@ def make_optimizers(args, model):
     return out
 
 
+REVERT_SAVE, REVERT_AT = 0, 2  # --revert: saved after step 0, put back before step 2
+
+
+def revert_scope(args):
+    """The names --revert puts back: all, or blocks.0's."""
+    if args.revert in ("partial", "dcp-partial"):
+        return lambda name: name.startswith("blocks.0.")
+    return lambda name: True
+
+
+def save_for_revert(args, model, rank):
+    if args.revert in ("load", "partial"):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    import tempfile
+    import torch.distributed.checkpoint as dcp
+    where = [tempfile.mkdtemp(prefix="mfsdp-revert-") if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    dcp.save(model.state_dict(), checkpoint_id=where[0])
+    return where[0]
+
+
+def revert(args, model, saved):
+    keep = revert_scope(args)
+    if args.revert == "load":
+        model.load_state_dict(saved)
+    elif args.revert == "partial":
+        model.load_state_dict({k: v for k, v in saved.items() if keep(k)}, strict=False)
+    else:  # in place, as plain FSDP2 allows: the state dict's tensors are the shards
+        import torch.distributed.checkpoint as dcp
+        state = {k: v for k, v in model.state_dict().items() if keep(k)}
+        dcp.load(state, checkpoint_id=saved)
+
+
 def shard(args, model, mesh):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kw = {"mesh": mesh}
@@ -271,7 +311,12 @@ def main(argv=None):
         logits = model(x[rows].to(device))
         return F.cross_entropy(logits.float().view(-1, args.vocab), y[rows].to(device).view(-1))
 
+    if args.revert != "none" and args.steps <= REVERT_AT:
+        raise SystemExit(f"--revert needs --steps > {REVERT_AT}")
+    saved = None
     for step in range(args.steps):
+        if args.revert != "none" and step == REVERT_AT:
+            revert(args, model, saved)
         total = 0.0
         for micro in range(args.accum):
             model.set_requires_gradient_sync(micro == args.accum - 1)
@@ -301,6 +346,8 @@ def main(argv=None):
                 line += f" eval {loss_of(ex, ey).item():.6f}"
         if rank == 0:
             print(line, flush=True)
+        if args.revert != "none" and step == REVERT_SAVE:
+            saved = save_for_revert(args, model, rank)
 
     if args.dcp:
         import torch.distributed.checkpoint as dcp
@@ -312,6 +359,9 @@ def main(argv=None):
         if rank == 0:
             torch.save(full, args.save)
     dist.barrier()
+    if isinstance(saved, str) and rank == 0:
+        import shutil
+        shutil.rmtree(saved, ignore_errors=True)
     dist.destroy_process_group()
 
 

@@ -83,6 +83,9 @@ class _Root:
         self.zero_kept = False  # the last drop of the owners' gradients was set_to_none=False
         self.keep_next_zero = False  # the zero_grad() right after a skipped DCP init step
         self.gathered = set()  # groups the owners took weights for (a tagged all-gather)
+        # id(FSDPParam) -> version counters of an owned matrix's shard when the owners took or
+        # wrote back its weights: a write since then (p.copy_, torch.nn.init) would be lost
+        self.versions = {}
 
 
 class Companion:
@@ -107,6 +110,13 @@ class Companion:
             import torch.nn.utils.clip_grad as clip_mod
             patch_clip(clip_mod)
             patch_split_clip(sys.modules["torch.nn.utils"])
+            loader = sys.modules.get("torch.distributed.checkpoint.state_dict_loader")
+            if loader is not None:
+                patch_dcp_load(loader)
+                pkg = sys.modules.get("torch.distributed.checkpoint")
+                for name in ("load", "load_state_dict"):
+                    if pkg is not None and hasattr(pkg, name):
+                        setattr(pkg, name, getattr(loader, name))
 
     # ---- registration ----------------------------------------------------------------
 
@@ -283,11 +293,15 @@ class Companion:
             g = root.layout[gi][0]
             if fsdp_params is not g.fsdp_params and list(fsdp_params) != list(g.fsdp_params):
                 raise CompanionError(f"all-gather of group {gi} over a subset of its params")
+            comp._check_versions(root, gi, "this all-gather would have gathered the owners' "
+                                 "weights over it")
             _tls.pending = ("ag", root, gi, None)
             try:
-                return orig_ag(fsdp_params, group, *args, **kwargs)
+                out = orig_ag(fsdp_params, group, *args, **kwargs)
             finally:
                 _tls.pending = None
+            comp._record_versions(root, gi)
+            return out
 
         sig = inspect.signature(orig_rs)
 
@@ -362,6 +376,39 @@ class Companion:
                 # in place, as FSDP2's own all-gather (the input is rank 0's block)
                 self._all_gather("ag", root, gi, out, out.narrow(0, 0, out.numel()),
                                  g.mesh_info.shard_process_group)
+                self._record_versions(root, gi)
+
+    # ---- in-place writes -------------------------------------------------------------
+    # The owners hold the weights that train; the job's shards are only read by the
+    # owners when they take weights (the first all-gather of a group, the one after a
+    # load_state_dict) and written by the write-back. A write into an owned matrix's shard
+    # between those points (p.copy_, torch.nn.init, p.mul_, an EMA swap through the params)
+    # would be lost: refused, found by the version counters torch bumps on in-place writes
+    # (of the DTensor param, its local tensor and FSDP2's padded shard). Writes through
+    # p.data or into a state_dict()'s detached tensors bump none of them (docs/pytorch.md).
+
+    @staticmethod
+    def _versions(fp):
+        p = fp.sharded_param
+        local = getattr(p, "_local_tensor", None)
+        return (p._version, local._version if local is not None else -1,
+                fp._sharded_param_data._version)
+
+    def _record_versions(self, root, gi):
+        for fp in root.layout[gi][0].fsdp_params:
+            if id(fp.sharded_param) in root.owned:
+                root.versions[id(fp)] = self._versions(fp)
+
+    def _check_versions(self, root, gi, when):
+        for fp in root.layout[gi][0].fsdp_params:
+            was = root.versions.get(id(fp))
+            if was is not None and was != self._versions(fp):
+                raise CompanionError(
+                    f"owner-managed matrix {fp._param_fqn!r} was written in place (p.copy_, "
+                    "torch.nn.init, an EMA swap through the params) after mfsdp's owners took "
+                    f"its weights; {when}. The owners hold the weights that train and never "
+                    "see such a write: load weights with model.load_state_dict() or "
+                    "set_model_state_dict() (the owners take them at the next all-gather)")
 
     def _all_gather(self, what, root, gi, out, inp, pg):
         """An all-gather the companion issues itself, tagged as `what` ("ag": the owners'
@@ -778,15 +825,44 @@ class Companion:
 
         # load_state_dict (set_model_state_dict, a checkpoint loaded mid-run) writes the
         # shards: the owners take their weights from them again, and the shards are the truth
-        # until the next step (no write-back over them).
+        # until the next step (no write-back over them). The owners' weights are written back
+        # first, so that a load of part of the params (strict=False, one submodule) leaves
+        # the others as trained, not as they were at the last write-back.
+        def pre_load(module, *args):
+            comp.sync(root)  # idempotent: a load of the root runs every module's hook
+
         def post_load(module, incompatible):
-            comp.reload(root)  # idempotent: a load of the root runs every module's hook
+            comp.reload(root)
         for m in modules.values():
+            m.register_load_state_dict_pre_hook(pre_load)
             m.register_load_state_dict_post_hook(post_load)
+
+    def roots_sharing(self, tensors):
+        """The registered roots with an owner-managed shard whose storage one of tensors
+        (DTensors: their local tensors) shares."""
+        ptrs = set()
+        for t in tensors:
+            t = getattr(t, "_local_tensor", t)
+            try:
+                ptrs.add(t.untyped_storage().data_ptr())
+            except (AttributeError, RuntimeError):
+                continue
+        found = []
+        for root in self.roots:
+            if root is None:
+                continue
+            for g, _ in root.layout:
+                if any(id(fp.sharded_param) in root.owned and
+                       fp._sharded_param_data.untyped_storage().data_ptr() in ptrs
+                       for fp in g.fsdp_params):
+                    found.append(root)
+                    break
+        return found
 
     def reload(self, root):
         self.shim.reload(root.handle)
         root.dirty = False
+        root.versions.clear()  # the shards are the truth until the owners take them again
         if root.manifest["world_size"] == 1:
             self._one_rank_fill(root)  # FSDP2 issues no all-gather on one rank
 
@@ -804,6 +880,9 @@ class Companion:
                     # a group never gathered (never run forward): the owners have no weights
                     # and never stepped it; the job's shards hold its weights
                     continue
+                self._check_versions(root, gi, "the write-back of the owners' weights "
+                                     "(state_dict(), mfsdp.sync_weights(), a one-rank step) "
+                                     "would overwrite it")
                 pg = g.mesh_info.shard_process_group
                 ws, rank = pg.size(), pg.rank()
                 sizes = [fp._sharded_param_data.numel() for fp in g.fsdp_params]
@@ -816,6 +895,7 @@ class Companion:
                     fp = g.fsdp_params[i]
                     piece = out.narrow(0, total * rank + offsets[i], sizes[i])
                     fp._sharded_param_data.copy_(piece)
+                self._record_versions(root, gi)
         root.dirty = False
 
 
@@ -907,6 +987,52 @@ def patch_split_clip(utils):
         f = getattr(utils, name, None)
         if f is not None and not getattr(f, "_mfsdp", False):
             setattr(utils, name, _refusing(f, name))
+
+
+def patch_dcp_load(loader):
+    """Wrap torch.distributed.checkpoint's load (run once state_dict_loader has executed,
+    before the package binds its names): DCP loads in place, into the tensors of the state
+    dict it is given, which for model.state_dict() are the job's shards themselves. Loading
+    there without a model.load_state_dict() after it (plain FSDP2 needs none) would leave the
+    owners with their own weights; so the owners' weights are written back first (a load of
+    part of them leaves the others as trained) and the owners take the shards again after."""
+    for name in ("load", "load_state_dict"):
+        f = getattr(loader, name, None)
+        if f is not None and not getattr(f, "_mfsdp", False):
+            setattr(loader, name, _dcp_loading(f))
+
+
+def _dcp_loading(f):
+    def load(state_dict, *args, **kwargs):
+        comp = _installed
+        roots = []
+        if comp is not None and comp.mode == "tag":
+            roots = comp.roots_sharing(_tensors_in(state_dict))
+        for root in roots:
+            comp.sync(root)
+        out = f(state_dict, *args, **kwargs)
+        for root in roots:
+            comp.reload(root)
+        return out
+    load._mfsdp = True
+    load.__doc__ = f.__doc__
+    load.__wrapped__ = f
+    return load
+
+
+def _tensors_in(obj, depth=0):
+    """The tensors in a (nested) state dict; Stateful objects are DCP's to call (their
+    state_dict() and load_state_dict() run the module hooks)."""
+    import torch
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth > 16:
+        return []
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors_in(v, depth + 1)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors_in(v, depth + 1)]
+    return []
 
 
 def _refusing(f, name):

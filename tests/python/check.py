@@ -91,6 +91,13 @@ CONFIGS = {
     # for the rest, each with its LambdaLR; AdamW's zero_grad() runs before Muon's step.
     "torch_muon": ["--optimizer", "muon", "--muon-lr", "0.03", "--muon-momentum", "0.9",
                    "--muon-wd", "0.1", "--muon-adjust", "match_rms_adamw"],
+    # weights put back mid-run (saved after step 0, loaded before step 2): all of them by
+    # load_state_dict, blocks.0's only (strict=False), and by DCP in place into
+    # model.state_dict() with no load_state_dict after it (all, blocks.0's only)
+    "revert_load": ["--revert", "load"],
+    "revert_partial": ["--revert", "partial"],
+    "revert_dcp": ["--revert", "dcp"],
+    "revert_dcp_partial": ["--revert", "dcp-partial"],
 }
 STEPS = ["--steps", "4"]
 NCCL_DT = {"float32": 7, "bfloat16": 9, "float16": 6}
@@ -676,7 +683,7 @@ def cmd_errors(args, r):
                  expect_ok=False)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith(("ok:", "errors:", "FAIL"))]
     print("\n".join(lines))
-    want = 32 if args.np == 4 else 1
+    want = 36 if args.np == 4 else 2
     if p.returncode != 0 or f"errors: {want} cases ok" not in p.stdout:
         sys.stdout.write(p.stdout[-4000:])
         fail(f"errors_job.py at {args.np} ranks: exit status {p.returncode}")

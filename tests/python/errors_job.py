@@ -123,7 +123,22 @@ def main():
             fwd_bwd(m)
         expect("divide factor at world size 1", companion.CompanionError,
                ["set_gradient_divide_factor", "world size 1"], one_rank_factor)
-        print("errors: 1 cases ok", flush=True)
+
+        # One rank: FSDP2 reads the shards the owners write back after every step; a write
+        # between two steps would be overwritten by the next write-back.
+        def one_rank_write():
+            m = model()
+            fully_shard(m, mesh=mesh)
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+            fwd_bwd(m)
+            opt.step()
+            with torch.no_grad():
+                m[2].weight.add_(1.0)
+            fwd_bwd(m)
+            opt.step()
+        expect("p.add_ between two steps at world size 1", companion.CompanionError,
+               [r"'2\.weight' was written in place", "write-back"], one_rank_write)
+        print("errors: 2 cases ok", flush=True)
         dist.destroy_process_group()
         return
 
@@ -505,6 +520,59 @@ def main():
                          f", dirty {root.dirty}")
     if dist.get_rank() == 0:
         print("ok: load_state_dict has the owners take the loaded weights", flush=True)
+    cases += 1
+
+    # An in-place write into an owner-managed matrix after the owners took its weights is
+    # refused where it would be lost: at the group's next all-gather (which gathers the
+    # owners' weights) and at the write-back (which overwrites the shard). A write followed by
+    # load_state_dict (the owners take the shards again), model.to() and model.float() are not.
+    def stepped():
+        m = fresh()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        opt.step()
+        opt.zero_grad()
+        return m
+
+    def write_then_forward():
+        m = stepped()
+        with torch.no_grad():
+            m[2].weight.copy_(torch.zeros_like(m[2].weight))
+        fwd_bwd(m)
+    expect("p.copy_ into a matrix, then a forward", companion.CompanionError,
+           [r"'2\.weight' was written in place", "all-gather", "load_state_dict"],
+           write_then_forward)
+    cases += 1
+
+    def init_then_forward():
+        m = fresh()  # between backward and step
+        nn.init.normal_(m[0].weight)
+        fwd_bwd(m)
+    expect("torch.nn.init on a matrix, then a forward", companion.CompanionError,
+           [r"'0\.weight' was written in place"], init_then_forward)
+    cases += 1
+
+    def write_then_state_dict():
+        m = stepped()
+        with torch.no_grad():
+            m[0].weight.mul_(0.5)
+        m.state_dict()
+    expect("p.mul_ on a matrix, then state_dict()", companion.CompanionError,
+           [r"'0\.weight' was written in place", "write-back", "overwrite"],
+           write_then_state_dict)
+    cases += 1
+
+    m = stepped()
+    sd = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    with torch.no_grad():
+        m[0].weight.copy_(torch.zeros_like(m[0].weight))
+    m.load_state_dict(sd)
+    fwd_bwd(m)
+    m.to("cpu")
+    m.float()
+    fwd_bwd(m)
+    if dist.get_rank() == 0:
+        print("ok: a write followed by load_state_dict, model.to() and model.float() train on",
+              flush=True)
     cases += 1
 
     # A job that behaves: registered once, the companion stays quiet.

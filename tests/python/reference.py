@@ -133,7 +133,14 @@ def train(args, world, optim):
         gs = torch.autograd.grad(loss, [trainable[n] for n in names], allow_unused=True)
         return loss.item(), gs
 
+    saved = None
     for step in range(args.steps):
+        if args.revert != "none" and step == job.REVERT_AT:  # the job's --revert
+            keep = job.revert_scope(args)
+            with torch.no_grad():
+                for n, p in params.items():
+                    if keep(n):
+                        p.copy_(saved[n])
         acc = {n: None for n in names}
         total = 0.0
         for micro in range(args.accum):
@@ -174,6 +181,8 @@ def train(args, world, optim):
         if sched is not None:
             sched.step()
         print(f"step {step} loss {total:.6f}", flush=True)
+        if args.revert != "none" and step == job.REVERT_SAVE:
+            saved = {n: p.detach().clone() for n, p in params.items()}
     return {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 

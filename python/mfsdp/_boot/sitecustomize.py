@@ -24,9 +24,15 @@ def _boot():
         def on_fsdp(module):
             from mfsdp import companion
             companion.install()
+
+        def on_dcp_loader(module):
+            from mfsdp import companion
+            companion.patch_dcp_load(module)
         _importhook.after_import({"torch.nn.utils.clip_grad": on_clip,
                                   "torch.nn.utils": on_utils,
-                                  "torch.distributed.fsdp": on_fsdp})
+                                  "torch.distributed.fsdp": on_fsdp,
+                                  "torch.distributed.checkpoint.state_dict_loader":
+                                      on_dcp_loader})
     _importhook.chain_sitecustomize(here)
 
 
