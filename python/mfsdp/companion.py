@@ -82,6 +82,13 @@ class _Root:
         self.reduced = set()  # id(sharded param) of owned matrices reduced since the last step
         self.zero_kept = False  # the last drop of the owners' gradients was set_to_none=False
         self.keep_next_zero = False  # the zero_grad() right after a skipped DCP init step
+        # the owners stepped and no zero_grad() dropped their gradients since: torch keeps the
+        # matrices' .grad across the step (a second step reapplies it, a backward adds to
+        # it), the owners consumed theirs at the step
+        self.stepped = False
+        # groups whose weights were loaded (load_state_dict, DCP) and not gathered since: the
+        # owners take them at the group's next all-gather
+        self.loaded = set()
         self.gathered = set()  # groups the owners took weights for (a tagged all-gather)
         # id(FSDPParam) -> version counters of an owned matrix's shard when the owners took or
         # wrote back its weights: a write since then (p.copy_, torch.nn.init) would be lost
@@ -301,6 +308,7 @@ class Companion:
             finally:
                 _tls.pending = None
             comp._record_versions(root, gi)
+            root.loaded.discard(gi)
             return out
 
         sig = inspect.signature(orig_rs)
@@ -321,6 +329,13 @@ class Companion:
                 last = pi
                 flags[pi] = 1
             comp._check_divide(root, gi, g)
+            if root.stepped and any(id(fp.sharded_param) in root.owned for fp in fsdp_params):
+                raise CompanionError(
+                    "a backward after optimizer.step() with no zero_grad() in between: torch "
+                    "would add the owner-managed matrices' new gradients to those their .grad "
+                    "keeps from before the step, mfsdp's owners used theirs at the step; call "
+                    "zero_grad() (of the optimizer or the model) after each step or before each "
+                    "backward")
             one = None
             if reduce_scatter_group is None or reduce_scatter_group.size() == 1:
                 bound = sig.bind(fsdp_params, unsharded_grads, reduce_scatter_group, *args,
@@ -600,6 +615,7 @@ class Companion:
             self.shim.zero_grads(root.handle)
             root.reduced.clear()
             root.zero_kept = not set_to_none
+            root.stepped = False
 
     def on_optimizer_step(self, optimizer):
         for root in self.roots:
@@ -625,6 +641,21 @@ class Companion:
             self._check_optimizer(root, optimizer)
             if self._stray_grads(root, optimizer, factor):
                 continue
+            for gi in sorted(root.loaded):
+                if any(id(fp.sharded_param) in root.reduced
+                       for fp in root.layout[gi][0].fsdp_params):
+                    raise CompanionError(
+                        f"group {root.manifest['groups'][gi]['name']!r}: weights loaded "
+                        "(load_state_dict, set_model_state_dict, DCP's load) between the "
+                        "backward and optimizer.step(): mfsdp's owners take loaded weights at "
+                        "the group's next all-gather, so they cannot step them with this "
+                        "step's gradients; load before the forward or after the step")
+            if root.stepped:
+                raise CompanionError(
+                    "optimizer.step() over the owner-managed matrices again with no zero_grad() "
+                    "since the last one: torch would step them again with the gradients their "
+                    ".grad keeps, mfsdp's owners used theirs at the last step; call zero_grad() "
+                    "(of the optimizer or the model) between two steps")
             if root.zero_kept and root.owned - root.reduced:
                 names = [n for n, p in root.module.named_parameters()
                          if id(p) in root.owned - root.reduced]
@@ -635,6 +666,7 @@ class Companion:
                     "mfsdp's owners skip a matrix without gradient; use zero_grad() "
                     "(set_to_none=True, the default)")
             self.shim.step(root.handle, factor)
+            root.stepped = bool(root.reduced)  # a step with no gradient keeps none either
             root.reduced.clear()
             root.dirty = True
             if root.manifest["world_size"] == 1:
@@ -863,6 +895,8 @@ class Companion:
         self.shim.reload(root.handle)
         root.dirty = False
         root.versions.clear()  # the shards are the truth until the owners take them again
+        if root.manifest["world_size"] > 1:
+            root.loaded = set(root.gathered)
         if root.manifest["world_size"] == 1:
             self._one_rank_fill(root)  # FSDP2 issues no all-gather on one rank
 

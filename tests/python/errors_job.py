@@ -132,6 +132,7 @@ def main():
             opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
             fwd_bwd(m)
             opt.step()
+            opt.zero_grad()
             with torch.no_grad():
                 m[2].weight.add_(1.0)
             fwd_bwd(m)
@@ -333,6 +334,7 @@ def main():
         muon = torch.optim.Muon(matrices(m), lr=0.02, weight_decay=0.0)
         fwd_bwd(m)
         muon.step()
+        muon.zero_grad()
         for g in muon.param_groups:  # a momentum warm-up
             g["momentum"] = 0.85
         fwd_bwd(m)
@@ -573,6 +575,36 @@ def main():
     if dist.get_rank() == 0:
         print("ok: a write followed by load_state_dict, model.to() and model.float() train on",
               flush=True)
+    cases += 1
+
+    # The owners consume their gradients at the step; torch keeps .grad until zero_grad():
+    # a second step, or a backward that would add to the kept gradients, without zero_grad()
+    # in between is refused.
+    def step_twice():
+        m = fresh()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        opt.step()
+        opt.step()
+    expect("optimizer.step() twice without zero_grad()", companion.CompanionError,
+           ["again with no zero_grad", "call zero_grad"], step_twice)
+    cases += 1
+
+    def backward_after_step():
+        m = fresh()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        opt.step()
+        fwd_bwd(m)
+    expect("a backward after step() without zero_grad()", companion.CompanionError,
+           ["backward after optimizer.step", "no zero_grad"], backward_after_step)
+    cases += 1
+
+    def load_before_step():
+        m = fresh()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        m.load_state_dict(m.state_dict())
+        opt.step()
+    expect("load_state_dict between backward and step", companion.CompanionError,
+           ["weights loaded", "between the backward and optimizer.step"], load_before_step)
     cases += 1
 
     # A job that behaves: registered once, the companion stays quiet.
