@@ -68,13 +68,18 @@ def parse_args(argv=None):
                    help="the last block is never run (a module the job uses in another phase)")
     p.add_argument("--checkpoint", action="store_true",
                    help="activation checkpointing of each block (torch.utils.checkpoint)")
-    p.add_argument("--revert", choices=["none", "load", "partial", "dcp", "dcp-partial"],
+    p.add_argument("--revert", choices=["none", "load", "partial", "dcp", "dcp-partial",
+                                        "titan", "sub", "bcast"],
                    default="none",
                    help="at the start of step 2, put back the weights saved after step 0: "
                    "model.load_state_dict of all of them (load) or of blocks.0 only with "
                    "strict=False (partial), or torch.distributed.checkpoint.load in place into "
                    "model.state_dict() (dcp: all, dcp-partial: blocks.0 only) with no "
-                   "load_state_dict after it; the optimizers keep their state")
+                   "load_state_dict after it; titan: DCP save and load of a torchtitan-style "
+                   "Stateful whose state dict was taken once before training; sub: "
+                   "blocks.0.attn's own state_dict() and load_state_dict(); bcast: a full "
+                   "state dict on rank 0 put back by set_model_state_dict(broadcast_from_rank0)"
+                   "; the optimizers keep their state")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="muon: torch.optim.Muon for the blocks' 2-D weights, AdamW for the rest")
     p.add_argument("--muon-lr", type=float, default=0.02)
@@ -235,29 +240,70 @@ REVERT_SAVE, REVERT_AT = 0, 2  # --revert: saved after step 0, put back before s
 
 
 def revert_scope(args):
-    """The names --revert puts back: all, or blocks.0's."""
+    """The names --revert puts back: all, blocks.0's or blocks.0.attn's."""
     if args.revert in ("partial", "dcp-partial"):
         return lambda name: name.startswith("blocks.0.")
+    if args.revert == "sub":
+        return lambda name: name.startswith("blocks.0.attn.")
     return lambda name: True
 
 
-def save_for_revert(args, model, rank):
+class CachedModelState:
+    """torchtitan's ModelWrapper: a DCP Stateful whose state_dict() is the model state dict
+    taken once, at its creation (its tensors are the FSDP2 shards themselves), and whose
+    load_state_dict() is set_model_state_dict(strict=False)."""
+
+    def __init__(self, model):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        self.model = model
+        self.cache = get_model_state_dict(model)
+
+    def state_dict(self):
+        return self.cache
+
+    def load_state_dict(self, state_dict):
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_model_state_dict)
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=False))
+
+
+def save_for_revert(args, model, rank, cached=None):
     if args.revert in ("load", "partial"):
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if args.revert == "sub":
+        return {k: v.detach().clone() for k, v in model.blocks[0].attn.state_dict().items()}
+    if args.revert == "bcast":
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+        # cloned: at world size 1 on the CPU these are the params' own storage
+        return {k: v.clone() for k, v in full.items()}
     import tempfile
     import torch.distributed.checkpoint as dcp
     where = [tempfile.mkdtemp(prefix="mfsdp-revert-") if rank == 0 else None]
     dist.broadcast_object_list(where, src=0)
-    dcp.save(model.state_dict(), checkpoint_id=where[0])
+    dcp.save({"model": cached} if cached is not None else model.state_dict(),
+             checkpoint_id=where[0])
     return where[0]
 
 
-def revert(args, model, saved):
+def revert(args, model, saved, cached=None):
     keep = revert_scope(args)
     if args.revert == "load":
         model.load_state_dict(saved)
     elif args.revert == "partial":
         model.load_state_dict({k: v for k, v in saved.items() if keep(k)}, strict=False)
+    elif args.revert == "sub":
+        model.blocks[0].attn.load_state_dict(saved)
+    elif args.revert == "bcast":  # rank 0 holds the values, the others an empty dict
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_model_state_dict)
+        set_model_state_dict(model, saved, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+    elif args.revert == "titan":  # DCP loads into the cache, then calls its load_state_dict
+        import torch.distributed.checkpoint as dcp
+        dcp.load({"model": cached}, checkpoint_id=saved)
     else:  # in place, as plain FSDP2 allows: the state dict's tensors are the shards
         import torch.distributed.checkpoint as dcp
         state = {k: v for k, v in model.state_dict().items() if keep(k)}
@@ -314,9 +360,10 @@ def main(argv=None):
     if args.revert != "none" and args.steps <= REVERT_AT:
         raise SystemExit(f"--revert needs --steps > {REVERT_AT}")
     saved = None
+    cached = CachedModelState(model) if args.revert == "titan" else None
     for step in range(args.steps):
         if args.revert != "none" and step == REVERT_AT:
-            revert(args, model, saved)
+            revert(args, model, saved, cached)
         total = 0.0
         for micro in range(args.accum):
             model.set_requires_gradient_sync(micro == args.accum - 1)
@@ -347,7 +394,7 @@ def main(argv=None):
         if rank == 0:
             print(line, flush=True)
         if args.revert != "none" and step == REVERT_SAVE:
-            saved = save_for_revert(args, model, rank)
+            saved = save_for_revert(args, model, rank, cached)
 
     if args.dcp:
         import torch.distributed.checkpoint as dcp

@@ -16,7 +16,8 @@ install() runs when torch.distributed.fsdp has been imported (the mfsdp-run path
   that optimizer is ``torch.optim.Muon``, its hyper-parameters (taken at the first forward)
   are the owners' Muon hyper-parameters, and they must not change afterwards;
 - makes ``clip_grad_norm_`` include and scale the owners' gradients;
-- writes the owners' weights back into the job's shards before ``state_dict()``.
+- writes the owners' weights back into the job's shards before ``state_dict()`` (of any module
+  of the root) and before DCP's save and load of a state holding them.
 """
 import inspect
 import math
@@ -117,13 +118,17 @@ class Companion:
             import torch.nn.utils.clip_grad as clip_mod
             patch_clip(clip_mod)
             patch_split_clip(sys.modules["torch.nn.utils"])
-            loader = sys.modules.get("torch.distributed.checkpoint.state_dict_loader")
-            if loader is not None:
-                patch_dcp_load(loader)
-                pkg = sys.modules.get("torch.distributed.checkpoint")
-                for name in ("load", "load_state_dict"):
-                    if pkg is not None and hasattr(pkg, name):
-                        setattr(pkg, name, getattr(loader, name))
+            pkg = sys.modules.get("torch.distributed.checkpoint")
+            for mod, patch, names in (
+                    ("state_dict_loader", patch_dcp_load, ("load", "load_state_dict")),
+                    ("state_dict_saver", patch_dcp_save, ("save", "save_state_dict",
+                                                          "async_save"))):
+                m = sys.modules.get("torch.distributed.checkpoint." + mod)
+                if m is not None:  # imported before the companion: rebind the package's names
+                    patch(m)
+                    for name in names:
+                        if pkg is not None and hasattr(pkg, name):
+                            setattr(pkg, name, getattr(m, name))
 
     # ---- registration ----------------------------------------------------------------
 
@@ -845,10 +850,15 @@ class Companion:
 
     def _hook_state_dict(self, root):
         comp = self
+        # Every module of the root, not only the root and the FSDP2 groups' modules: a
+        # submodule inside a group (model.blocks[0].attn) has its own state_dict() and
+        # load_state_dict(), which run only its own subtree's hooks.
         modules = {id(root.module): root.module}
         for g, _ in root.layout:
             for m in g.modules:
                 modules[id(m)] = m
+        for m in root.module.modules():
+            modules[id(m)] = m
 
         def pre_hook(module, prefix, keep_vars):
             comp.sync(root)
@@ -860,8 +870,11 @@ class Companion:
         # until the next step (no write-back over them). The owners' weights are written back
         # first, so that a load of part of the params (strict=False, one submodule) leaves
         # the others as trained, not as they were at the last write-back.
+        # set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True) copies the
+        # loaded values into the shards before it calls load_state_dict: the write-back
+        # leaves a shard written since the owners took it as it is (the load writes it).
         def pre_load(module, *args):
-            comp.sync(root)  # idempotent: a load of the root runs every module's hook
+            comp.sync(root, loading=True)  # idempotent: a load of the root runs every hook
 
         def post_load(module, incompatible):
             comp.reload(root)
@@ -900,9 +913,11 @@ class Companion:
         if root.manifest["world_size"] == 1:
             self._one_rank_fill(root)  # FSDP2 issues no all-gather on one rank
 
-    def sync(self, root):
+    def sync(self, root, loading=False):
         """Write the owners' weights into the job's local shards (collective over the
-        shard group; every rank of the job calls state_dict() at the same point)."""
+        shard group; every rank of the job calls state_dict() at the same point). loading:
+        right before a load (load_state_dict's pre-hook), where a shard written in place since
+        the owners took it is being loaded: it is kept, not refused."""
         if root is None or not root.dirty:
             return
         torch = self.torch
@@ -914,9 +929,14 @@ class Companion:
                     # a group never gathered (never run forward): the owners have no weights
                     # and never stepped it; the job's shards hold its weights
                     continue
-                self._check_versions(root, gi, "the write-back of the owners' weights "
-                                     "(state_dict(), mfsdp.sync_weights(), a one-rank step) "
-                                     "would overwrite it")
+                keep = set()
+                if loading:
+                    keep = {i for i, fp in enumerate(g.fsdp_params)
+                            if root.versions.get(id(fp)) not in (None, self._versions(fp))}
+                else:
+                    self._check_versions(root, gi, "the write-back of the owners' weights "
+                                         "(state_dict(), mfsdp.sync_weights(), a one-rank "
+                                         "step) would overwrite it")
                 pg = g.mesh_info.shard_process_group
                 ws, rank = pg.size(), pg.rank()
                 sizes = [fp._sharded_param_data.numel() for fp in g.fsdp_params]
@@ -926,6 +946,8 @@ class Companion:
                 self._all_gather("sync", root, gi, out, inp, pg)
                 offsets = [sum(sizes[:i]) for i in range(len(sizes))]
                 for i in owned:
+                    if i in keep:
+                        continue  # every rank joins the all-gather; this one keeps its shard
                     fp = g.fsdp_params[i]
                     piece = out.narrow(0, total * rank + offsets[i], sizes[i])
                     fp._sharded_param_data.copy_(piece)
@@ -1033,40 +1055,70 @@ def patch_dcp_load(loader):
     for name in ("load", "load_state_dict"):
         f = getattr(loader, name, None)
         if f is not None and not getattr(f, "_mfsdp", False):
-            setattr(loader, name, _dcp_loading(f))
+            setattr(loader, name, _dcp_wrapped(f, load=True))
 
 
-def _dcp_loading(f):
-    def load(state_dict, *args, **kwargs):
+def patch_dcp_save(saver):
+    """Wrap torch.distributed.checkpoint's save (run once state_dict_saver has executed):
+    a state dict taken once and saved later (torchtitan's ModelWrapper caches
+    get_model_state_dict's) holds the job's shards, which hold the owners' weights only after
+    a write-back; state_dict() runs one, a cached dict's save does not: the save does."""
+    for name in ("save", "save_state_dict", "async_save"):
+        f = getattr(saver, name, None)
+        if f is not None and not getattr(f, "_mfsdp", False):
+            setattr(saver, name, _dcp_wrapped(f, load=False))
+
+
+def _dcp_roots(comp, state_dict):
+    """The registered roots a DCP save or load of state_dict may touch: those with an
+    owner-managed shard among its tensors; every root when it holds a Stateful object (DCP
+    calls its state_dict(), which may return a cached dict of the shards, and its
+    load_state_dict())."""
+    if comp is None or comp.mode != "tag":
+        return []
+    tensors, stateful = _tensors_in(state_dict)
+    if stateful:
+        return [r for r in comp.roots if r is not None]
+    return comp.roots_sharing(tensors)
+
+
+def _dcp_wrapped(f, load):
+    def wrapper(state_dict, *args, **kwargs):
         comp = _installed
-        roots = []
-        if comp is not None and comp.mode == "tag":
-            roots = comp.roots_sharing(_tensors_in(state_dict))
+        roots = _dcp_roots(comp, state_dict)
         for root in roots:
             comp.sync(root)
         out = f(state_dict, *args, **kwargs)
-        for root in roots:
-            comp.reload(root)
+        if load:
+            for root in roots:
+                comp.reload(root)
         return out
-    load._mfsdp = True
-    load.__doc__ = f.__doc__
-    load.__wrapped__ = f
-    return load
+    wrapper._mfsdp = True
+    wrapper.__doc__ = f.__doc__
+    wrapper.__wrapped__ = f
+    return wrapper
 
 
 def _tensors_in(obj, depth=0):
-    """The tensors in a (nested) state dict; Stateful objects are DCP's to call (their
-    state_dict() and load_state_dict() run the module hooks)."""
+    """(the tensors in a nested state dict, whether it holds a Stateful object: anything with
+    state_dict and load_state_dict that is not a tensor, a dict, a list or a tuple)."""
     import torch
     if isinstance(obj, torch.Tensor):
-        return [obj]
+        return [obj], False
     if depth > 16:
-        return []
+        return [], False
     if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors_in(v, depth + 1)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors_in(v, depth + 1)]
-    return []
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    else:
+        return [], hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
+    found, stateful = [], False
+    for v in items:
+        t, s = _tensors_in(v, depth + 1)
+        found += t
+        stateful = stateful or s
+    return found, stateful
 
 
 def _refusing(f, name):

@@ -98,6 +98,9 @@ CONFIGS = {
     "revert_partial": ["--revert", "partial"],
     "revert_dcp": ["--revert", "dcp"],
     "revert_dcp_partial": ["--revert", "dcp-partial"],
+    "revert_titan": ["--revert", "titan"],
+    "revert_sub": ["--revert", "sub"],
+    "revert_bcast": ["--revert", "bcast"],
 }
 STEPS = ["--steps", "4"]
 NCCL_DT = {"float32": 7, "bfloat16": 9, "float16": 6}

@@ -28,11 +28,17 @@ def _boot():
         def on_dcp_loader(module):
             from mfsdp import companion
             companion.patch_dcp_load(module)
+
+        def on_dcp_saver(module):
+            from mfsdp import companion
+            companion.patch_dcp_save(module)
         _importhook.after_import({"torch.nn.utils.clip_grad": on_clip,
                                   "torch.nn.utils": on_utils,
                                   "torch.distributed.fsdp": on_fsdp,
                                   "torch.distributed.checkpoint.state_dict_loader":
-                                      on_dcp_loader})
+                                      on_dcp_loader,
+                                  "torch.distributed.checkpoint.state_dict_saver":
+                                      on_dcp_saver})
     _importhook.chain_sitecustomize(here)
 
 
