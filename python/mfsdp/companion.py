@@ -87,6 +87,9 @@ class _Root:
         # matrices' .grad across the step (a second step reapplies it, a backward adds to
         # it), the owners consumed theirs at the step
         self.stepped = False
+        # owner steps with gradients so far: the owners hold Muon momentum that the job's
+        # optimizer state does not (it never sees the matrices' gradients)
+        self.owner_steps = 0
         # groups whose weights were loaded (load_state_dict, DCP) and not gathered since: the
         # owners take them at the group's next all-gather
         self.loaded = set()
@@ -535,6 +538,17 @@ class Companion:
             comp.on_optimizer_step(optimizer)
         self._step_hook = register_optimizer_step_pre_hook(pre_step)
 
+        # The owners' Muon momentum is not in the job's optimizer state: a load of that state
+        # cannot reach it (docs/pytorch.md, section 4).
+        orig_load = Optimizer.load_state_dict
+        if not getattr(orig_load, "_mfsdp", False):
+            def load_state_dict(optimizer, state_dict):
+                comp.on_optimizer_load(optimizer, state_dict)
+                return orig_load(optimizer, state_dict)
+            load_state_dict._mfsdp = True
+            load_state_dict.__doc__ = orig_load.__doc__
+            Optimizer.load_state_dict = load_state_dict
+
         # zero_grad() without a step (a skipped batch, an inf check) must drop the owners'
         # gradients too: they would otherwise flow into the next step.
         orig_zero = Optimizer.zero_grad
@@ -622,6 +636,39 @@ class Companion:
             root.zero_kept = not set_to_none
             root.stepped = False
 
+    def on_optimizer_load(self, optimizer, state_dict):
+        """optimizer.load_state_dict(state_dict) over owner-managed matrices: refused where
+        torch would restore their optimizer state and mfsdp's owners cannot (a state holding
+        some for a matrix, from a run without mfsdp; a rollback after the owners stepped).
+        Before any owner step (a resume) the owners' momentum is zero, as the loaded state,
+        which holds none for the matrices, says."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        saved = [k for g in state_dict.get("param_groups", []) for k in g.get("params", [])]
+        state = state_dict.get("state", {})
+        for root in self.roots:
+            if root is None or not root.owned:
+                continue
+            mine = [i for i, p in enumerate(params) if id(p) in root.owned]
+            if not mine:
+                continue
+            names = {id(p): n for n, p in root.module.named_parameters()}
+            held = [i for i in mine if i < len(saved) and state.get(saved[i])]
+            if held:
+                raise CompanionError(
+                    f"optimizer.load_state_dict: the state holds {sorted(state[saved[held[0]]])} "
+                    f"for owner-managed matrix {names.get(id(params[held[0]]), '?')} (a "
+                    "checkpoint of a run without mfsdp?); mfsdp's owners keep the matrices' "
+                    "optimizer state themselves and cannot take it: drop the matrices' entries "
+                    "from state_dict['state'] to restart their momentum from zero")
+            if root.owner_steps:
+                raise CompanionError(
+                    "optimizer.load_state_dict over the owner-managed matrices after the owners "
+                    f"stepped ({root.owner_steps} steps): torch would put back the matrices' "
+                    "optimizer state, but the job's optimizer state holds none for them "
+                    "(mfsdp's owners keep their Muon momentum) and mfsdp cannot roll the "
+                    "owners' momentum back; load optimizer state only when resuming, before "
+                    "the first step")
+
     def on_optimizer_step(self, optimizer):
         for root in self.roots:
             if root is None:
@@ -672,6 +719,7 @@ class Companion:
                     "(set_to_none=True, the default)")
             self.shim.step(root.handle, factor)
             root.stepped = bool(root.reduced)  # a step with no gradient keeps none either
+            root.owner_steps += root.stepped
             root.reduced.clear()
             root.dirty = True
             if root.manifest["world_size"] == 1:
@@ -721,6 +769,13 @@ class Companion:
                 "step every matrix of the root at once with one lr factor: put the root's "
                 "matrices in one optimizer (torch.optim.Muon, or the one of the other params; "
                 "the other params may have optimizers of their own)")
+        if root.optimizer is not None and root.owner_steps:
+            raise CompanionError(
+                f"a new {type(optimizer).__name__} steps the owner-managed matrices after "
+                f"the owners stepped {root.owner_steps} times with another optimizer (now "
+                "gone): torch would start its state fresh, but mfsdp's owners keep their Muon "
+                "momentum and cannot reset it; keep one optimizer over the matrices for the "
+                "whole run")
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = root.owned - held
         other = [o for o in list(getattr(self, "_lr0", {}).keys()) if o is not optimizer and

@@ -686,7 +686,7 @@ def cmd_errors(args, r):
                  expect_ok=False)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith(("ok:", "errors:", "FAIL"))]
     print("\n".join(lines))
-    want = 39 if args.np == 4 else 2
+    want = 42 if args.np == 4 else 2
     if p.returncode != 0 or f"errors: {want} cases ok" not in p.stdout:
         sys.stdout.write(p.stdout[-4000:])
         fail(f"errors_job.py at {args.np} ranks: exit status {p.returncode}")

@@ -607,6 +607,54 @@ def main():
            ["weights loaded", "between the backward and optimizer.step"], load_before_step)
     cases += 1
 
+    # The owners' momentum is not in the job's optimizer state: a rollback of that state
+    # after an owner step, a state holding some for a matrix, and a new optimizer after the
+    # owners stepped with another are refused; a load before any owner step (a resume) is not.
+    def opt_rollback():
+        m = fresh()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        saved = opt.state_dict()
+        opt.step()
+        opt.zero_grad()
+        opt.load_state_dict(saved)
+    expect("optimizer.load_state_dict after an owner step", companion.CompanionError,
+           ["load_state_dict over the owner-managed matrices after the owners stepped",
+            "cannot roll"], opt_rollback)
+    cases += 1
+
+    def opt_foreign_state():
+        m = fresh()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        sd = opt.state_dict()
+        sd["state"] = {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(1)}}
+        opt.load_state_dict(sd)
+    expect("an optimizer state with a matrix's state", companion.CompanionError,
+           [r"'exp_avg'", "owner-managed matrix 0.weight", "drop the matrices"],
+           opt_foreign_state)
+    cases += 1
+
+    def new_optimizer():
+        m = fresh()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        opt.step()
+        opt.zero_grad()
+        del opt
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        fwd_bwd(m)
+        opt.step()
+    expect("a new optimizer after the owners stepped", companion.CompanionError,
+           ["a new AdamW steps the owner-managed matrices", "keep one optimizer"],
+           new_optimizer)
+    cases += 1
+
+    m = fresh()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    opt.load_state_dict(opt.state_dict())  # a resume: before any owner step
+    opt.step()
+    if dist.get_rank() == 0:
+        print("ok: optimizer.load_state_dict before the first owner step is accepted",
+              flush=True)
+
     # A job that behaves: registered once, the companion stays quiet.
     m = model()
     fully_shard(m, mesh=mesh)
