@@ -422,10 +422,15 @@ class Companion:
             if id(fp.sharded_param) in root.owned:
                 root.versions[id(fp)] = self._versions(fp)
 
+    def _written_since(self, root, fp):
+        """True when fp's shard was written in place since the owners took or wrote back its
+        weights (its version counters moved)."""
+        was = root.versions.get(id(fp))
+        return was is not None and was != self._versions(fp)
+
     def _check_versions(self, root, gi, when):
         for fp in root.layout[gi][0].fsdp_params:
-            was = root.versions.get(id(fp))
-            if was is not None and was != self._versions(fp):
+            if self._written_since(root, fp):
                 raise CompanionError(
                     f"owner-managed matrix {fp._param_fqn!r} was written in place (p.copy_, "
                     "torch.nn.init, an EMA swap through the params) after mfsdp's owners took "
@@ -651,12 +656,13 @@ class Companion:
             mine = [i for i, p in enumerate(params) if id(p) in root.owned]
             if not mine:
                 continue
-            names = {id(p): n for n, p in root.module.named_parameters()}
             held = [i for i in mine if i < len(saved) and state.get(saved[i])]
             if held:
+                name = next((n for n, p in root.module.named_parameters()
+                             if p is params[held[0]]), "?")
                 raise CompanionError(
                     f"optimizer.load_state_dict: the state holds {sorted(state[saved[held[0]]])} "
-                    f"for owner-managed matrix {names.get(id(params[held[0]]), '?')} (a "
+                    f"for owner-managed matrix {name} (a "
                     "checkpoint of a run without mfsdp?); mfsdp's owners keep the matrices' "
                     "optimizer state themselves and cannot take it: drop the matrices' entries "
                     "from state_dict['state'] to restart their momentum from zero")
@@ -905,19 +911,14 @@ class Companion:
 
     def _hook_state_dict(self, root):
         comp = self
-        # Every module of the root, not only the root and the FSDP2 groups' modules: a
-        # submodule inside a group (model.blocks[0].attn) has its own state_dict() and
-        # load_state_dict(), which run only its own subtree's hooks.
-        modules = {id(root.module): root.module}
-        for g, _ in root.layout:
-            for m in g.modules:
-                modules[id(m)] = m
-        for m in root.module.modules():
-            modules[id(m)] = m
+        # Every module of the root (the FSDP2 groups' modules are among them), not only the
+        # groups': a submodule inside a group (model.blocks[0].attn) has its own state_dict()
+        # and load_state_dict(), which run only its own subtree's hooks.
+        modules = list(root.module.modules())
 
         def pre_hook(module, prefix, keep_vars):
             comp.sync(root)
-        for m in modules.values():
+        for m in modules:
             m.register_state_dict_pre_hook(pre_hook)
 
         # load_state_dict (set_model_state_dict, a checkpoint loaded mid-run) writes the
@@ -933,7 +934,7 @@ class Companion:
 
         def post_load(module, incompatible):
             comp.reload(root)
-        for m in modules.values():
+        for m in modules:
             m.register_load_state_dict_pre_hook(pre_load)
             m.register_load_state_dict_post_hook(post_load)
 
@@ -987,7 +988,7 @@ class Companion:
                 keep = set()
                 if loading:
                     keep = {i for i, fp in enumerate(g.fsdp_params)
-                            if root.versions.get(id(fp)) not in (None, self._versions(fp))}
+                            if self._written_since(root, fp)}
                 else:
                     self._check_versions(root, gi, "the write-back of the owners' weights "
                                          "(state_dict(), mfsdp.sync_weights(), a one-rank "

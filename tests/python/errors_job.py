@@ -634,11 +634,7 @@ def main():
     cases += 1
 
     def new_optimizer():
-        m = fresh()
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        opt.step()
-        opt.zero_grad()
-        del opt
+        m = stepped()  # its optimizer is gone
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
         fwd_bwd(m)
         opt.step()
