@@ -597,7 +597,16 @@ static int restart_point(size_t pos)
     return 1;
 }
 
-/* Remap one identified call on c (its lock held). sync: a tagged weight write-back.
+/* What a tagged state exchange is called in messages. */
+static const char *sync_word(int kind)
+{
+    return kind == MFSDP_SHIM_TAG_SYNC            ? "weight write-back"
+           : kind == MFSDP_SHIM_TAG_SYNC_MOMENTUM ? "momentum export"
+                                                  : "momentum import";
+}
+
+/* Remap one identified call on c (its lock held). sync: 0, or the tag kind of a tagged state
+ * exchange (MFSDP_SHIM_TAG_SYNC, _SYNC_MOMENTUM, _LOAD_MOMENTUM) that the all-gather stands for.
  * iter_start: the call is the first of an iteration (1), is not (0), unknown (-1). */
 static shim_result_t execute(shim_comm_t *c, size_t group, const unsigned char *has_grad,
                              const shim_call_t *call, int tagged, int sync, int iter_start,
@@ -653,10 +662,13 @@ static shim_result_t execute(shim_comm_t *c, size_t group, const unsigned char *
         st = shim_ckpt_start(c, why, sizeof(why));
     }
     if (st == MFSDP_OK && sync) {
-        size_t elt = sizeof(float);
-        st = mfsdp_ctx_scatter_masters(
-            c->ctx, group, (float *)((char *)call->recv + (size_t)c->rank * call->count * elt),
-            call->count);
+        /* this rank's block of the output (write-backs), the input (the momentum import) */
+        float *mine = (float *)((char *)call->recv + (size_t)c->rank * call->count * sizeof(float));
+        st = sync == MFSDP_SHIM_TAG_SYNC
+                 ? mfsdp_ctx_scatter_masters(c->ctx, group, mine, call->count)
+             : sync == MFSDP_SHIM_TAG_SYNC_MOMENTUM
+                 ? mfsdp_ctx_scatter_momentum(c->ctx, group, mine, call->count)
+                 : mfsdp_ctx_gather_momentum(c->ctx, group, (const float *)call->send, call->count);
     } else if (st == MFSDP_OK && call->kind == SHIM_ALLGATHER) {
         st = mfsdp_ctx_allgather(c->ctx, group, call->send, call->recv, call->count, call->dtype);
         if (st == MFSDP_OK && !tagged) {
@@ -676,7 +688,7 @@ static shim_result_t execute(shim_comm_t *c, size_t group, const unsigned char *
     }
     if (st != MFSDP_OK) {
         shim_fatal(c, agreed_status(st), st, "the remapped %s of group %s failed: %s",
-                   sync ? "weight write-back" : kind_word(call->kind), gname,
+                   sync ? sync_word(sync) : kind_word(call->kind), gname,
                    msg[0] ? msg : mfsdp_status_string(st));
         *st_p = st;
         return SHIM_ERROR;
@@ -705,7 +717,10 @@ static shim_result_t tagged_call(shim_comm_t *c, const shim_tag_t *tag, const sh
                                  mfsdp_status_t *st_p)
 {
     shim_reg_t *reg = shim_reg_find(tag->id);
-    int sync = tag->kind == MFSDP_SHIM_TAG_SYNC;
+    int sync = tag->kind == MFSDP_SHIM_TAG_SYNC || tag->kind == MFSDP_SHIM_TAG_SYNC_MOMENTUM ||
+                       tag->kind == MFSDP_SHIM_TAG_LOAD_MOMENTUM
+                   ? tag->kind
+                   : 0;
     int want_ag = tag->kind == MFSDP_SHIM_TAG_ALLGATHER || sync;
     char err[1024];
     if (reg == NULL || (want_ag != (call->kind == SHIM_ALLGATHER)) ||
@@ -780,9 +795,10 @@ static shim_result_t tagged_call(shim_comm_t *c, const shim_tag_t *tag, const sh
         }
         if (call->dtype != MFSDP_FLOAT32 || call->count != elems) {
             shim_fatal(c, 1, MFSDP_ERR_MISMATCH,
-                       "the weight write-back of group %s must be a float32 all-gather of "
-                       "%zu elements, got %zu of %s",
-                       gd->name, elems, call->count, mfsdp_dtype_name(call->dtype));
+                       "the %s of group %s must be a float32 all-gather of %zu elements, got "
+                       "%zu of %s",
+                       sync_word(sync), gd->name, elems, call->count,
+                       mfsdp_dtype_name(call->dtype));
             *st_p = MFSDP_ERR_MISMATCH;
             return SHIM_ERROR;
         }

@@ -142,7 +142,7 @@ SHIM_EXPORT int mfsdp_shim_tag(int id, int kind, size_t group, const unsigned ch
     if (r == NULL) {
         return fail(MFSDP_ERR_INVALID_ARG, "mfsdp_shim_tag: no manifest registered as %d", id);
     }
-    if (kind < MFSDP_SHIM_TAG_ALLGATHER || kind > MFSDP_SHIM_TAG_SYNC) {
+    if (kind < MFSDP_SHIM_TAG_ALLGATHER || kind > MFSDP_SHIM_TAG_LOAD_MOMENTUM) {
         return fail(MFSDP_ERR_INVALID_ARG, "mfsdp_shim_tag: unknown kind %d", kind);
     }
     if (group >= r->manifest->ngroups) {

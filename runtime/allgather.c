@@ -230,15 +230,21 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
  * Weight write-back
  */
 
-mfsdp_status_t mfsdp_ctx_scatter_masters(mfsdp_ctx_h ctx, size_t group, float *block, size_t count)
+/* One exchange between this rank's FSDP block of a group in fp32 (param i at element offset
+ * o_i = sum of earlier s_j, rows [rank * c_i, (rank + 1) * c_i) of it) and the owners' arena
+ * category cat of the group's owned tensors. to_owners = 0: the owners send each rank its rows
+ * (padding rows of the block zeroed); 1: every rank sends its rows to the owner, which writes
+ * them into its slot (padding rows of the block not read). With cat MOMENTUM only the owned
+ * Muon tensors take part (every rank knows the roles, so all post the same transfers). */
+static mfsdp_status_t exchange_state(struct mfsdp_ctx *ctx, size_t group, mfsdp_arena_cat_t cat,
+                                     int to_owners, float *block, size_t count, const char *what)
 {
     MFSDP_CHECK(mfsdp_ctx_check(ctx));
-    MFSDP_CHECK(mfsdp_ctx_group_check(ctx, group, "scatter_masters"));
+    MFSDP_CHECK(mfsdp_ctx_group_check(ctx, group, what));
     const mfsdp_group_sched_t *gs = ctx->groups[group].gs;
     const mfsdp_buffer_layout_t *ag = &gs->layout->ag;
-    const char *gname = ctx->manifest->groups[group].name;
-    /* The group's FSDP layout in fp32 elements: o_i = sum of earlier s_j. */
-    size_t np = ctx->manifest->groups[group].nparams;
+    const mfsdp_group_desc_t *gd = &ctx->manifest->groups[group];
+    size_t np = gd->nparams;
     size_t *off = calloc(np + 1, sizeof(size_t));
     if (off == NULL) {
         return MFSDP_ERR_NO_MEMORY;
@@ -249,14 +255,13 @@ mfsdp_status_t mfsdp_ctx_scatter_masters(mfsdp_ctx_h ctx, size_t group, float *b
     mfsdp_status_t st = MFSDP_OK;
     mfsdp_p2p_t *v = NULL;
     if (count != off[np] || (block == NULL && count != 0)) {
-        MFSDP_WARN("scatter_masters of group %s: got %zu floats, its FSDP shard has %zu", gname,
-                   count, off[np]);
+        MFSDP_WARN("%s of group %s: got %zu floats, its FSDP shard has %zu", what, gd->name, count,
+                   off[np]);
         st = block == NULL ? MFSDP_ERR_INVALID_ARG : MFSDP_ERR_MISMATCH;
         goto out;
     }
-    if (!ctx->groups[group].initialized) {
-        MFSDP_WARN("scatter_masters of group %s: no weights yet (before its first all-gather)",
-                   gname);
+    if (cat == MFSDP_ARENA_MASTER && !ctx->groups[group].initialized) {
+        MFSDP_WARN("%s of group %s: no weights yet (before its first all-gather)", what, gd->name);
         st = MFSDP_ERR_STATE;
         goto out;
     }
@@ -269,14 +274,25 @@ mfsdp_status_t mfsdp_ctx_scatter_masters(mfsdp_ctx_h ctx, size_t group, float *b
     size_t nv = 0;
     for (size_t i = 0; i < gs->nsegs; i++) {
         const mfsdp_sched_seg_t *s = &gs->segs[i];
+        if (cat == MFSDP_ARENA_MOMENTUM && gd->params[s->param].optimizer != MFSDP_ROLE_MUON) {
+            continue; /* no momentum: its rows of the block are neither written nor read */
+        }
         const mfsdp_param_layout_t *e = &ag->entries[s->param];
-        const float *master = mfsdp_ctx_slot(ctx, s->shard, MFSDP_ARENA_MASTER);
+        float *slot = mfsdp_ctx_slot(ctx, s->shard, cat);
+        if (s->owner == ctx->rank && slot == NULL) {
+            MFSDP_WARN("%s of group %s: the owner holds no such state for %s", what, gd->name,
+                       gd->params[s->param].name);
+            st = MFSDP_ERR_INTERNAL;
+            goto out;
+        }
         float *mine = block + off[s->param];
         size_t row = (size_t)e->rest;
-        size_t valid = mfsdp_ctx_slice_valid(ctx, e);
-        MFSDP_CHECK_GOTO(
-            ctx->exec->ops->zero(ctx->exec, mine + valid, ((size_t)e->s - valid) * sizeof(float)),
-            st, out); /* padding rows */
+        if (!to_owners) {
+            size_t valid = mfsdp_ctx_slice_valid(ctx, e);
+            MFSDP_CHECK_GOTO(ctx->exec->ops->zero(ctx->exec, mine + valid,
+                                                  ((size_t)e->s - valid) * sizeof(float)),
+                             st, out); /* padding rows */
+        }
         for (int r = 0; r < n; r++) {
             int64_t first = (int64_t)r * e->c;
             int64_t rows = e->rows - first;
@@ -285,18 +301,21 @@ mfsdp_status_t mfsdp_ctx_scatter_masters(mfsdp_ctx_h ctx, size_t group, float *b
             if (bytes == 0) {
                 continue;
             }
-            const float *src = master != NULL ? master + (size_t)first * row : NULL;
+            float *rows_of_r = slot != NULL ? slot + (size_t)first * row : NULL;
             if (s->owner == ctx->rank && r == ctx->rank) {
-                MFSDP_CHECK_GOTO(ctx->exec->ops->copy(ctx->exec, mine, src, bytes), st, out);
-            } else if (s->owner == ctx->rank) {
-                v[nv++] = (mfsdp_p2p_t){1, r, 2 * (int)i + 1, (void *)src, bytes};
+                MFSDP_CHECK_GOTO(to_owners
+                                     ? ctx->exec->ops->copy(ctx->exec, rows_of_r, mine, bytes)
+                                     : ctx->exec->ops->copy(ctx->exec, mine, rows_of_r, bytes),
+                                 st, out);
+            } else if (s->owner == ctx->rank) { /* 1: send, 0: receive */
+                v[nv++] = (mfsdp_p2p_t){!to_owners, r, 2 * (int)i + 1, rows_of_r, bytes};
             } else if (r == ctx->rank) {
-                v[nv++] = (mfsdp_p2p_t){0, s->owner, 2 * (int)i + 1, mine, bytes};
+                v[nv++] = (mfsdp_p2p_t){to_owners, s->owner, 2 * (int)i + 1, mine, bytes};
             }
         }
     }
     MFSDP_CHECK_GOTO(ctx->tp->ops->p2p(ctx->tp, v, nv), st, out);
-    for (size_t k = 0; k < gs->ntail; k++) {
+    for (size_t k = 0; cat == MFSDP_ARENA_MASTER && k < gs->ntail; k++) {
         size_t pi = gs->tail[k];
         const float *master =
             mfsdp_ctx_slot(ctx, ctx->plan->group_first[group] + pi, MFSDP_ARENA_MASTER);
@@ -310,4 +329,22 @@ out:
     free(v);
     free(off);
     return st;
+}
+
+mfsdp_status_t mfsdp_ctx_scatter_masters(mfsdp_ctx_h ctx, size_t group, float *block, size_t count)
+{
+    return exchange_state(ctx, group, MFSDP_ARENA_MASTER, 0, block, count, "scatter_masters");
+}
+
+mfsdp_status_t mfsdp_ctx_scatter_momentum(mfsdp_ctx_h ctx, size_t group, float *block, size_t count)
+{
+    return exchange_state(ctx, group, MFSDP_ARENA_MOMENTUM, 0, block, count, "scatter_momentum");
+}
+
+mfsdp_status_t mfsdp_ctx_gather_momentum(mfsdp_ctx_h ctx, size_t group, const float *block,
+                                         size_t count)
+{
+    /* read only: the block is the source of every transfer */
+    return exchange_state(ctx, group, MFSDP_ARENA_MOMENTUM, 1, (float *)block, count,
+                          "gather_momentum");
 }

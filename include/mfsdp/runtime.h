@@ -244,6 +244,32 @@ MFSDP_API mfsdp_status_t mfsdp_ctx_scatter_masters(mfsdp_ctx_h ctx, size_t group
                                                    size_t count);
 
 /**
+ * @brief Write the owners' Muon momentum into this rank's FSDP shard of a group, in the layout
+ *        of mfsdp_ctx_scatter_masters() (fp32, padding rows zero): the job's optimizer state
+ *        dict then holds each owned matrix's momentum as the shards torch.optim.Muon keeps
+ *        ("momentum_buffer"; mfsdp's Muon updates it as torch does, m = mu m + (1 - mu) g).
+ *        Only owned Muon tensors are written; the rows of every other param are left
+ *        untouched. Collective (owners send each rank its rows). Call it between steps (in
+ *        lazy step mode after mfsdp_ctx_flush()).
+ * @return MFSDP_OK, MFSDP_ERR_MISMATCH (count), MFSDP_ERR_INVALID_ARG, MFSDP_ERR_TRANSPORT
+ * @since the shim's tagged-mode ABI 3
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_scatter_momentum(mfsdp_ctx_h ctx, size_t group, float *block,
+                                                    size_t count);
+
+/**
+ * @brief The reverse of mfsdp_ctx_scatter_momentum(): every rank sends the rows of this rank's
+ *        FSDP shard (same layout) of each owned Muon tensor to its owner, which replaces its
+ *        momentum with them (a resume, or an optimizer state loaded mid-run; zero rows restart
+ *        the momentum from zero). Padding rows and other params' rows are not read. Weights,
+ *        gradients and step counts are unchanged. Collective.
+ * @return MFSDP_OK, MFSDP_ERR_MISMATCH (count), MFSDP_ERR_INVALID_ARG, MFSDP_ERR_TRANSPORT
+ * @since the shim's tagged-mode ABI 3
+ */
+MFSDP_API mfsdp_status_t mfsdp_ctx_gather_momentum(mfsdp_ctx_h ctx, size_t group,
+                                                   const float *block, size_t count);
+
+/**
  * @brief Multiply the learning rates of the following steps by @p factor (the job's own
  *        schedule: its current lr / its initial lr). Replaces the manifest's schedule; a
  *        negative factor returns to it. Not collective (every rank should set the same).

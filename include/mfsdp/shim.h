@@ -25,7 +25,7 @@ extern "C" {
 #endif
 
 /** ABI version of this interface; the companion refuses a shim with another. */
-#define MFSDP_SHIM_ABI_VERSION 2
+#define MFSDP_SHIM_ABI_VERSION 3
 
 /** What the next collective of this thread is. */
 typedef enum mfsdp_shim_tag_kind {
@@ -41,6 +41,17 @@ typedef enum mfsdp_shim_tag_kind {
      *  fp32; the job's own params' bytes and the other ranks' blocks are not written. Used
      *  before the job saves a checkpoint so that its own shards hold the trained weights. */
     MFSDP_SHIM_TAG_SYNC = 3,
+    /** momentum export: as MFSDP_SHIM_TAG_SYNC, with the owners' Muon momentum of the group's
+     *  owned matrices (the rows torch.optim.Muon's "momentum_buffer" would hold) instead of
+     *  their weights; only the owned matrices' bytes of this rank's block are written.
+     *  Since ABI 3. */
+    MFSDP_SHIM_TAG_SYNC_MOMENTUM = 4,
+    /** momentum import: the next all-gather (float32, count = the group's sum of shard elements
+     *  s_i) sends the owned matrices' rows of its input, in FSDP's layout in fp32, to their
+     *  owners, which take them as their Muon momentum (an optimizer state loaded; zeros
+     *  restart it). The output is not written; weights and gradients are unchanged.
+     *  Since ABI 3. */
+    MFSDP_SHIM_TAG_LOAD_MOMENTUM = 5,
 } mfsdp_shim_tag_kind_t;
 
 /** @brief MFSDP_SHIM_ABI_VERSION of the loaded shim. */

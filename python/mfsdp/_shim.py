@@ -7,12 +7,14 @@ namespace: ``ctypes.CDLL(None)`` finds them without knowing the library's path.
 import ctypes
 import os
 
-ABI_VERSION = 2  # MFSDP_SHIM_ABI_VERSION this companion speaks
+ABI_VERSION = 3  # MFSDP_SHIM_ABI_VERSION this companion speaks
 
 TAG_ALLGATHER = 0
 TAG_REDUCE_SCATTER = 1
 TAG_REPLICATE = 2
 TAG_SYNC = 3
+TAG_SYNC_MOMENTUM = 4  # since ABI 3
+TAG_LOAD_MOMENTUM = 5  # since ABI 3
 
 
 class ShimError(RuntimeError):

@@ -26,8 +26,14 @@
  *   nccl-spent       tagged mode (mfsdp_shim_register, MFSDP_COMPANION=tag): a registration
  *                    trains on one communicator, which is destroyed; a tagged call on a new
  *                    communicator must be refused (its owners' state went with the first).
+ *   nccl-momentum    tagged mode: after the owners took their weights, a momentum import
+ *                    (MFSDP_SHIM_TAG_LOAD_MOMENTUM) of known rows of w (b's rows and w's
+ *                    padding rows NaN: not read), then an export (MFSDP_SHIM_TAG_SYNC_MOMENTUM)
+ *                    into a sentinel block: w's rows come back bitwise, its padding rows zero,
+ *                    b's rows untouched. Then an export of the wrong count must be refused.
  */
 #include <dlfcn.h>
+#include <math.h>
 #include <mpi.h>
 #include <nccl.h>
 #include <stdio.h>
@@ -265,6 +271,62 @@ int main(int argc, char **argv)
         printf("%s: rank %d: a tagged all-gather on a new communicator: %s\n",
                r != ncclSuccess ? "ok" : "FAIL", rank, ncclGetErrorString(r));
         (void)ncclCommDestroy(again);
+        code = 3;
+    } else if (strcmp(mode, "nccl-momentum") == 0) {
+        int (*reg)(const char *, size_t) =
+            (int (*)(const char *, size_t))shim_fn("mfsdp_shim_register");
+        int (*tag)(int, int, size_t, const unsigned char *, size_t) =
+            (int (*)(int, int, size_t, const unsigned char *, size_t))shim_fn("mfsdp_shim_tag");
+        const char *(*last_error)(void) = (const char *(*)(void))shim_fn("mfsdp_shim_last_error");
+        const char *text = manifest_text(0);
+        int id = reg(text, strlen(text));
+        if (id < 0) {
+            fprintf(stderr, "shim_misuse: rank %d: register: %s\n", rank, last_error());
+            MPI_Abort(MPI_COMM_WORLD, 2);
+        }
+        ncclComm_t comm = make_comm();
+        const size_t wn = (size_t)cw * W_COLS; /* w's rows in a block, then b's */
+        float *mine = malloc(S * sizeof(float));
+        float *blocks = malloc(S * (size_t)world * sizeof(float));
+        for (size_t i = 0; i < S; i++) {
+            int w_row = i < wn && rank * cw + (int)(i / W_COLS) < W_ROWS;
+            mine[i] = w_row ? 1.0f + 0.5f * (float)rank + (float)i / 128.0f : NAN;
+        }
+        ncclResult_t r = ncclSuccess;
+        if (tag(id, MFSDP_SHIM_TAG_ALLGATHER, 0, NULL, 2) == 0) {
+            r = ncclAllGather(full + (size_t)rank * S, full, S, ncclFloat32, comm, NULL);
+        }
+        if (r == ncclSuccess && tag(id, MFSDP_SHIM_TAG_LOAD_MOMENTUM, 0, NULL, 2) == 0) {
+            r = ncclAllGather(mine, blocks, S, ncclFloat32, comm, NULL);
+        }
+        for (size_t i = 0; i < S * (size_t)world; i++) {
+            blocks[i] = -7.0f;
+        }
+        if (r == ncclSuccess && tag(id, MFSDP_SHIM_TAG_SYNC_MOMENTUM, 0, NULL, 2) == 0) {
+            float *at = blocks + (size_t)rank * S;
+            r = ncclAllGather(at, blocks, S, ncclFloat32, comm, NULL);
+        }
+        if (r != ncclSuccess) {
+            die("the momentum import and export", r);
+        }
+        size_t bad = 0;
+        for (size_t i = 0; i < S; i++) {
+            float got = blocks[(size_t)rank * S + i];
+            float want = i >= wn ? -7.0f : isnan(mine[i]) ? 0.0f : mine[i];
+            bad += memcmp(&got, &want, sizeof(float)) != 0;
+        }
+        printf("%s: rank %d: momentum imported and exported: %zu of %zu elements differ\n",
+               bad == 0 ? "ok" : "FAIL", rank, bad, S);
+        if (tag(id, MFSDP_SHIM_TAG_SYNC_MOMENTUM, 0, NULL, 2) != 0) {
+            fprintf(stderr, "shim_misuse: rank %d: tag: %s\n", rank, last_error());
+            MPI_Abort(MPI_COMM_WORLD, 2);
+        }
+        r = ncclAllGather(blocks + (size_t)rank * (S - 1), blocks, S - 1, ncclFloat32, comm, NULL);
+        printf("%s: rank %d: a momentum export of %zu elements: %s\n",
+               r != ncclSuccess ? "ok" : "FAIL", rank, S - 1, ncclGetErrorString(r));
+        (void)ncclCommDestroy(comm);
+        free(mine);
+        free(blocks);
         code = 3;
     } else {
         if (rank == 0) {

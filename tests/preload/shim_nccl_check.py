@@ -30,7 +30,9 @@
                    for the final save fails, nccl-plain is the same job destroying it;
                    nccl-unregistered: a job under MFSDP_COMPANION=tag whose companion never
                    registered a model fails at exit; nccl-spent: a registration whose
-                   communicator trained and was destroyed cannot be taken over by another).
+                   communicator trained and was destroyed cannot be taken over by another;
+                   nccl-momentum: a tagged momentum import and export round trip bitwise, a
+                   wrong count refused).
   nompi MODE       shim_nccl_nompi.c in a process without MPI, over an NCCL that lacks most of
                    the API: one error line naming what is missing (api: a pncclX the NCCL
                    transport needs, the exit status non-zero; count: ncclCommCount failed;
@@ -322,6 +324,18 @@ def cmd_misuse(args):
             expect(len(lines) == 1 and "was bound to a communicator that trained" in lines[0],
                    f"want one error line, got {lines}", proc)
             print(f"ok: a spent registration is refused on a new communicator: {lines[0][:160]}")
+        elif m == "nccl-momentum":
+            proc = go(m, {})
+            lines = error_lines(proc)
+            expect(proc.returncode != 0, "the job exited 0", proc)
+            expect(proc.stdout.count("ok: rank") == 2 * n and "FAIL" not in proc.stdout,
+                   "the momentum did not come back bitwise, or the wrong count was accepted",
+                   proc)
+            expect(len(lines) == 1 and "the momentum export of group g must be a float32 "
+                   "all-gather of" in lines[0],
+                   f"want one error line, got {lines}", proc)
+            print(f"ok: the momentum round trip is exact; a wrong count is refused: "
+                  f"{lines[0][:160]}")
     print("PASS")
 
 
@@ -357,7 +371,8 @@ def main():
     ap.add_argument("mode", nargs="?", choices=["api", "count", "forward", "mpi-inplace-rs",
                                                 "mpi-typed-ag",
                                                 "nccl-mixed-rs", "nccl-abort", "nccl-no-release",
-                                                "nccl-unregistered", "nccl-spent"])
+                                                "nccl-unregistered", "nccl-spent",
+                                                "nccl-momentum"])
     ap.add_argument("--preload", required=True, help="libmfsdp_preload.so")
     ap.add_argument("--preload-mpi", help="libmfsdp_preload_mpi.so (libs)")
     ap.add_argument("--map", help="libmfsdp_preload.map (libs)")

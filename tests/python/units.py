@@ -47,7 +47,7 @@ class Fn:
         return self.ret(*args) if callable(self.ret) else self.ret
 
 
-def lib(abi=2, drop=(), rc=0, err=b"", log=None):
+def lib(abi=3, drop=(), rc=0, err=b"", log=None):
     names = ["mfsdp_shim_register", "mfsdp_shim_tag", "mfsdp_shim_untag", "mfsdp_shim_step",
              "mfsdp_shim_grad_sqnorm", "mfsdp_shim_scale_grads", "mfsdp_shim_tag_pending",
              "mfsdp_shim_zero_grads", "mfsdp_shim_reload"]
@@ -74,7 +74,7 @@ def test_shim():
         else:
             os.environ["LD_PRELOAD"] = saved
     ok("a preloaded shim without the tagged mode is named as such")
-    raises(_shim.ShimError, ["ABI 7", "speaks 2"], _shim.Shim, lib(abi=7))
+    raises(_shim.ShimError, ["ABI 7", "speaks 3"], _shim.Shim, lib(abi=7))
     ok("another ABI is refused")
     raises(_shim.ShimError, ["lacks mfsdp_shim_step"], _shim.Shim,
            lib(drop=("mfsdp_shim_step",)))
