@@ -80,6 +80,19 @@ def parse_args(argv=None):
                    "blocks.0.attn's own state_dict() and load_state_dict(); bcast: a full "
                    "state dict on rank 0 put back by set_model_state_dict(broadcast_from_rank0)"
                    "; the optimizers keep their state")
+    p.add_argument("--optim-revert", choices=["none", "load", "new"], default="none",
+                   help="load: every optimizer's state_dict() saved after step 0 is loaded "
+                   "back before step 2 (a rollback); new: new optimizers replace them before "
+                   "step 2 (fresh state)")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="after this many steps save a checkpoint to resume from (model, every "
+                   "optimizer, the step) to --ckpt-dir and stop")
+    p.add_argument("--ckpt-dir", default="", help="where --stop-after saves")
+    p.add_argument("--resume-from", default="", help="resume from a --stop-after checkpoint")
+    p.add_argument("--resume-via", choices=["dcp", "torch"], default="dcp",
+                   help="dcp: torch.distributed.checkpoint with get/set_model_state_dict and "
+                   "get/set_optimizer_state_dict; torch: torch.save of each rank's "
+                   "model.state_dict() and optimizer.state_dict()")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="muon: torch.optim.Muon for the blocks' 2-D weights, AdamW for the rest")
     p.add_argument("--muon-lr", type=float, default=0.02)
@@ -310,6 +323,62 @@ def revert(args, model, saved, cached=None):
         dcp.load(state, checkpoint_id=saved)
 
 
+def clone_state(sd):
+    """A copy of an optimizer state_dict() that later steps leave alone."""
+    import copy
+    return {"state": {k: {n: (v.detach().clone() if torch.is_tensor(v) else v)
+                          for n, v in entry.items()}
+                      for k, entry in sd["state"].items()},
+            "param_groups": copy.deepcopy(sd["param_groups"])}
+
+
+def save_resumable(args, model, optimizers, step, rank):
+    """--stop-after: the sharded state of the model and of every optimizer after `step` steps
+    (the LambdaLRs follow from the step and the optimizers' param groups)."""
+    if args.resume_via == "torch":
+        os.makedirs(args.ckpt_dir, exist_ok=True)
+        torch.save({"step": step, "model": model.state_dict(),
+                    "optim": [opt.state_dict() for opt, _ in optimizers]},
+                   os.path.join(args.ckpt_dir, f"rank{rank}.pt"))
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    state = {"step": torch.tensor(step), "model": get_model_state_dict(model)}
+    for i, (opt, _) in enumerate(optimizers):
+        state[f"optim{i}"] = get_optimizer_state_dict(model, opt)
+    dcp.save(state, checkpoint_id=args.ckpt_dir)
+
+
+def load_resumable(args, model, optimizers, rank):
+    """--resume-from: load what save_resumable saved; returns the step to go on from."""
+    if args.resume_via == "torch":
+        state = torch.load(os.path.join(args.resume_from, f"rank{rank}.pt"), weights_only=False)
+        model.load_state_dict(state["model"])
+        for (opt, _), sd in zip(optimizers, state["optim"]):
+            opt.load_state_dict(sd)
+        start = int(state["step"])
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                             get_optimizer_state_dict,
+                                                             set_model_state_dict,
+                                                             set_optimizer_state_dict)
+        state = {"step": torch.tensor(0), "model": get_model_state_dict(model)}
+        for i, (opt, _) in enumerate(optimizers):
+            state[f"optim{i}"] = get_optimizer_state_dict(model, opt)
+        dcp.load(state, checkpoint_id=args.resume_from)
+        set_model_state_dict(model, state["model"])
+        for i, (opt, _) in enumerate(optimizers):
+            set_optimizer_state_dict(model, opt, state[f"optim{i}"])
+        start = int(state["step"])
+    for opt, sched in optimizers:
+        if sched is not None:  # the loaded param groups hold the lr of step `start` already
+            sched.last_epoch = start
+            sched._last_lr = [group["lr"] for group in opt.param_groups]
+    return start
+
+
 def shard(args, model, mesh):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kw = {"mesh": mesh}
@@ -357,13 +426,22 @@ def main(argv=None):
         logits = model(x[rows].to(device))
         return F.cross_entropy(logits.float().view(-1, args.vocab), y[rows].to(device).view(-1))
 
-    if args.revert != "none" and args.steps <= REVERT_AT:
-        raise SystemExit(f"--revert needs --steps > {REVERT_AT}")
+    if (args.revert != "none" or args.optim_revert != "none") and args.steps <= REVERT_AT:
+        raise SystemExit(f"--revert and --optim-revert need --steps > {REVERT_AT}")
     saved = None
     cached = CachedModelState(model) if args.revert == "titan" else None
-    for step in range(args.steps):
+    start = load_resumable(args, model, optimizers, rank) if args.resume_from else 0
+    for step in range(start, args.steps):
         if args.revert != "none" and step == REVERT_AT:
             revert(args, model, saved, cached)
+        if args.optim_revert == "load" and step == REVERT_AT:
+            for (opt, _), sd in zip(optimizers, saved_optim):
+                opt.load_state_dict(sd)
+        elif args.optim_revert == "new" and step == REVERT_AT:
+            import gc
+            optimizers = None
+            gc.collect()  # the old optimizers are gone before the new ones step
+            optimizers = make_optimizers(args, model)
         total = 0.0
         for micro in range(args.accum):
             model.set_requires_gradient_sync(micro == args.accum - 1)
@@ -395,6 +473,11 @@ def main(argv=None):
             print(line, flush=True)
         if args.revert != "none" and step == REVERT_SAVE:
             saved = save_for_revert(args, model, rank, cached)
+        if args.optim_revert == "load" and step == REVERT_SAVE:
+            saved_optim = [clone_state(opt.state_dict()) for opt, _ in optimizers]
+        if args.stop_after and step + 1 == args.stop_after:
+            save_resumable(args, model, optimizers, step + 1, rank)
+            break
 
     if args.dcp:
         import torch.distributed.checkpoint as dcp

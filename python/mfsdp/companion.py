@@ -17,7 +17,11 @@ install() runs when torch.distributed.fsdp has been imported (the mfsdp-run path
   are the owners' Muon hyper-parameters, and they must not change afterwards;
 - makes ``clip_grad_norm_`` include and scale the owners' gradients;
 - writes the owners' weights back into the job's shards before ``state_dict()`` (of any module
-  of the root) and before DCP's save and load of a state holding them.
+  of the root) and before DCP's save and load of a state holding them;
+- puts the owners' Muon momentum into the job optimizer's ``state_dict()`` (each matrix's
+  ``momentum_buffer``, sharded as the matrix, as torch.optim.Muon keeps it), and hands a
+  loaded one (``load_state_dict``, a resume, a rollback; none: zeros) to the owners at the
+  next step.
 """
 import inspect
 import math
@@ -38,6 +42,10 @@ _MUON_SCALE = {None: "keller", "original": "keller", "match_rms_adamw": "moonlig
 _MUON_ENV = ("MFSDP_LR", "MFSDP_MOMENTUM", "MFSDP_NESTEROV", "MFSDP_NS_STEPS",
              "MFSDP_WEIGHT_DECAY", "MFSDP_SCALE")
 
+# What the owners keep of a matrix's optimizer state, as the job's optimizer shows it: Muon's
+# momentum and, for an optimizer other than torch.optim.Muon, the step count.
+_OWNER_STATE = ("momentum_buffer", "step")
+
 _tls = threading.local()
 _lock = threading.Lock()
 _installed = None
@@ -46,6 +54,11 @@ _installed = None
 def _num(x):
     """A float from a number or a one-element tensor (an optimizer's lr, momentum, ...)."""
     return float(x.item() if hasattr(x, "item") else x)
+
+
+def _local(t):
+    """A DTensor's local tensor, or t."""
+    return getattr(t, "_local_tensor", t)
 
 
 def _log(msg):
@@ -87,9 +100,6 @@ class _Root:
         # matrices' .grad across the step (a second step reapplies it, a backward adds to
         # it), the owners consumed theirs at the step
         self.stepped = False
-        # owner steps with gradients so far: the owners hold Muon momentum that the job's
-        # optimizer state does not (it never sees the matrices' gradients)
-        self.owner_steps = 0
         # groups whose weights were loaded (load_state_dict, DCP) and not gathered since: the
         # owners take them at the group's next all-gather
         self.loaded = set()
@@ -97,6 +107,15 @@ class _Root:
         # id(FSDPParam) -> version counters of an owned matrix's shard when the owners took or
         # wrote back its weights: a write since then (p.copy_, torch.nn.init) would be lost
         self.versions = {}
+        # Optimizer state of the owned matrices, which the owners hold (their Muon momentum):
+        # id(sharded param) of those torch's optimizer would hold state for (stepped with a
+        # gradient, loaded, or given zero state by DCP's init step); the owners' momentum may
+        # be non-zero; a state loaded into the job's optimizer (or a new optimizer) that the
+        # owners take at the next step, before it (its momentum_buffer entries; none: zero).
+        self.has_state = set()
+        self.steps = {}  # id(sharded param) -> steps it had a gradient at (torch's "step")
+        self.momentum_live = False
+        self.load_pending = False
 
 
 class Companion:
@@ -440,7 +459,8 @@ class Companion:
 
     def _all_gather(self, what, root, gi, out, inp, pg):
         """An all-gather the companion issues itself, tagged as `what` ("ag": the owners'
-        fill, "sync": the write-back) for group gi, through the tagging proxy and the release's
+        fill, "sync": the write-back, "sync_m" / "load_m": the momentum export / import) for
+        group gi, through the tagging proxy and the release's
         entry point (2.15: all_gather_single, 2.11: all_gather_into_tensor; same (output,
         input, group) arguments)."""
         _tls.pending = (what, root, gi, None)
@@ -510,6 +530,10 @@ class Companion:
             root.gathered.add(gi)
         elif kind == "all_gather" and what == "sync":
             self.shim.tag(root.handle, _shim.TAG_SYNC, gi, None, n)
+        elif kind == "all_gather" and what == "sync_m":
+            self.shim.tag(root.handle, _shim.TAG_SYNC_MOMENTUM, gi, None, n)
+        elif kind == "all_gather" and what == "load_m":
+            self.shim.tag(root.handle, _shim.TAG_LOAD_MOMENTUM, gi, None, n)
         elif kind == "reduce_scatter" and what == "rs":
             self.shim.tag(root.handle, _shim.TAG_REDUCE_SCATTER, gi, flags, n)
         elif kind == "all_reduce" and what == "rs":
@@ -543,16 +567,26 @@ class Companion:
             comp.on_optimizer_step(optimizer)
         self._step_hook = register_optimizer_step_pre_hook(pre_step)
 
-        # The owners' Muon momentum is not in the job's optimizer state: a load of that state
-        # cannot reach it (docs/pytorch.md, section 4).
+        # The owners hold the matrices' optimizer state (their Muon momentum): state_dict()
+        # exports it as the matrices' momentum_buffer, load_state_dict() hands it back to the
+        # owners at the next step (docs/pytorch.md, section 4).
         orig_load = Optimizer.load_state_dict
         if not getattr(orig_load, "_mfsdp", False):
             def load_state_dict(optimizer, state_dict):
                 comp.on_optimizer_load(optimizer, state_dict)
-                return orig_load(optimizer, state_dict)
+                out = orig_load(optimizer, state_dict)
+                comp.after_optimizer_load(optimizer)
+                return out
             load_state_dict._mfsdp = True
             load_state_dict.__doc__ = orig_load.__doc__
             Optimizer.load_state_dict = load_state_dict
+        orig_sd = Optimizer.state_dict
+        if not getattr(orig_sd, "_mfsdp", False):
+            def state_dict(optimizer):
+                return comp.on_optimizer_state_dict(optimizer, orig_sd(optimizer))
+            state_dict._mfsdp = True
+            state_dict.__doc__ = orig_sd.__doc__
+            Optimizer.state_dict = state_dict
 
         # zero_grad() without a step (a skipped batch, an inf check) must drop the owners'
         # gradients too: they would otherwise flow into the next step.
@@ -641,39 +675,164 @@ class Companion:
             root.zero_kept = not set_to_none
             root.stepped = False
 
+    def _owned_in(self, root, optimizer):
+        """The root's owned matrices the optimizer holds, in its param order."""
+        return [p for g in optimizer.param_groups for p in g["params"] if id(p) in root.owned]
+
     def on_optimizer_load(self, optimizer, state_dict):
-        """optimizer.load_state_dict(state_dict) over owner-managed matrices: refused where
-        torch would restore their optimizer state and mfsdp's owners cannot (a state holding
-        some for a matrix, from a run without mfsdp; a rollback after the owners stepped).
-        Before any owner step (a resume) the owners' momentum is zero, as the loaded state,
-        which holds none for the matrices, says."""
+        """optimizer.load_state_dict(state_dict), before torch's load: the owners take a
+        matrix's momentum_buffer (at the next step); other state for a matrix (a checkpoint
+        of a run without mfsdp that trained it with AdamW) cannot become Muon momentum and is
+        refused unless it is all zero (DCP's init step makes such zero state)."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
         saved = [k for g in state_dict.get("param_groups", []) for k in g.get("params", [])]
         state = state_dict.get("state", {})
         for root in self.roots:
             if root is None or not root.owned:
                 continue
-            mine = [i for i, p in enumerate(params) if id(p) in root.owned]
+            for i, p in enumerate(params):
+                if id(p) not in root.owned or i >= len(saved):
+                    continue
+                entry = state.get(saved[i]) or {}
+                foreign = sorted(k for k, v in entry.items() if k not in _OWNER_STATE and
+                                 (bool(_local(v).any()) if hasattr(v, "any") else bool(v)))
+                if foreign:
+                    name = next((n for n, q in root.module.named_parameters() if q is p), "?")
+                    raise CompanionError(
+                        f"optimizer.load_state_dict: the state holds {foreign} for "
+                        f"owner-managed matrix {name} (a checkpoint of a run without mfsdp?); "
+                        "mfsdp's owners step the matrices with Muon and take only a "
+                        "momentum_buffer (torch.optim.Muon's state): drop the matrices' "
+                        "other entries from state_dict['state'] to restart their momentum "
+                        "from zero")
+
+    def after_optimizer_load(self, optimizer):
+        """After torch's load: the owners take the loaded momentum (none: zero) at the next
+        step; until then the job's optimizer holds it (and its state_dict() shows it)."""
+        for root in self.roots:
+            if root is None or not root.owned:
+                continue
+            mine = self._owned_in(root, optimizer)
             if not mine:
                 continue
-            held = [i for i in mine if i < len(saved) and state.get(saved[i])]
-            if held:
-                name = next((n for n, p in root.module.named_parameters()
-                             if p is params[held[0]]), "?")
-                raise CompanionError(
-                    f"optimizer.load_state_dict: the state holds {sorted(state[saved[held[0]]])} "
-                    f"for owner-managed matrix {name} (a "
-                    "checkpoint of a run without mfsdp?); mfsdp's owners keep the matrices' "
-                    "optimizer state themselves and cannot take it: drop the matrices' entries "
-                    "from state_dict['state'] to restart their momentum from zero")
-            if root.owner_steps:
-                raise CompanionError(
-                    "optimizer.load_state_dict over the owner-managed matrices after the owners "
-                    f"stepped ({root.owner_steps} steps): torch would put back the matrices' "
-                    "optimizer state, but the job's optimizer state holds none for them "
-                    "(mfsdp's owners keep their Muon momentum) and mfsdp cannot roll the "
-                    "owners' momentum back; load optimizer state only when resuming, before "
-                    "the first step")
+            root.load_pending = True
+            root.has_state = {id(p) for p in mine
+                              if "momentum_buffer" in optimizer.state.get(p, {})}
+
+    def on_optimizer_state_dict(self, optimizer, sd):
+        """optimizer.state_dict(): the owners' Muon momentum of the matrices torch would hold
+        state for, as each matrix's momentum_buffer (a tensor sharded as the param, its dtype),
+        as torch.optim.Muon keeps it; for another optimizer also the matrix's "step" (the
+        steps it had a gradient at), which torch's Adam family requires of every state entry.
+        Collective over the shard group when the owners hold non-zero momentum: call
+        state_dict() on every rank (DCP does)."""
+        torch = self.torch
+        cls = self._muon_class()
+        with_step = cls is None or not isinstance(optimizer, cls)
+        for root in self.roots:
+            if root is None or not root.owned or root.load_pending:
+                continue  # a loaded state not taken yet: torch's own state_dict shows it
+            bound = root.optimizer() if root.optimizer is not None else None
+            if bound is not optimizer:
+                continue  # the owners' state is that of the optimizer that stepped them
+            index = {}
+            for group, sgroup in zip(optimizer.param_groups, sd["param_groups"]):
+                for p, k in zip(group["params"], sgroup["params"]):
+                    if id(p) in root.has_state and \
+                            "momentum_buffer" not in optimizer.state.get(p, {}):
+                        index[id(p)] = k
+            if not index:
+                continue
+            with torch.no_grad():
+                for gi, (g, _) in enumerate(root.layout):
+                    fps = [fp for fp in g.fsdp_params if id(fp.sharded_param) in index]
+                    if not fps:
+                        continue
+                    block, offsets = None, None
+                    if root.momentum_live:
+                        block, offsets = self._momentum_block(root, gi, export=True)
+                    for fp in fps:
+                        p = fp.sharded_param
+                        buf = torch.zeros_like(p, requires_grad=False)
+                        if block is not None:
+                            local = _local(buf)
+                            i = g.fsdp_params.index(fp)
+                            local.copy_(block.narrow(0, offsets[i], local.numel())
+                                        .view(local.shape))
+                        k = index[id(p)]
+                        entry = dict(sd["state"].get(k, {}))
+                        entry["momentum_buffer"] = buf
+                        if with_step:
+                            entry["step"] = torch.tensor(float(root.steps.get(id(p), 0)))
+                        sd["state"][k] = entry
+        return sd
+
+    def _momentum_block(self, root, gi, export, block=None):
+        """The tagged momentum exchange of group gi: export (block None): this rank's FSDP
+        block in fp32 filled with the owners' momentum; import: the owners take `block`.
+        Returns (block, element offset of each param in it)."""
+        torch = self.torch
+        g = root.layout[gi][0]
+        pg = g.mesh_info.shard_process_group
+        ws, rank = pg.size(), pg.rank()
+        sizes = [fp._sharded_param_data.numel() for fp in g.fsdp_params]
+        total = sum(sizes)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        if export:
+            out = torch.zeros(total * ws, dtype=torch.float32, device=g.device)
+            self._all_gather("sync_m", root, gi, out, out.narrow(0, total * rank, total), pg)
+            return out.narrow(0, total * rank, total), offsets
+        out = torch.empty(total * ws, dtype=torch.float32, device=g.device)
+        self._all_gather("load_m", root, gi, out, block, pg)
+        return block, offsets
+
+    def _push_momentum(self, root, optimizer):
+        """Hand the momentum_buffer entries of the owned matrices in the job's optimizer (a
+        loaded state; zero where none) to the owners and drop them from the optimizer."""
+        torch = self.torch
+        mine = {id(p) for p in self._owned_in(root, optimizer)}
+        names = None
+        with torch.no_grad():
+            for gi, (g, _) in enumerate(root.layout):
+                fps = [fp for fp in g.fsdp_params if id(fp.sharded_param) in mine]
+                if not fps:
+                    continue
+                sizes = [fp._sharded_param_data.numel() for fp in g.fsdp_params]
+                block = torch.zeros(sum(sizes), dtype=torch.float32, device=g.device)
+                for fp in fps:
+                    p = fp.sharded_param
+                    buf = optimizer.state.get(p, {}).get("momentum_buffer")
+                    if buf is None:
+                        continue
+                    local, want = _local(buf), _local(p)
+                    if local.shape != want.shape or (hasattr(buf, "placements") and
+                                                     buf.placements != p.placements):
+                        if names is None:
+                            names = {id(q): n for n, q in root.module.named_parameters()}
+                        raise CompanionError(
+                            f"the momentum_buffer loaded for owner-managed matrix "
+                            f"{names.get(id(p), '?')} is {type(buf).__name__} "
+                            f"{tuple(local.shape)} on this rank, its FSDP2 shard "
+                            f"{tuple(want.shape)}: load the optimizer state as the sharded "
+                            "state dict it was saved as (DCP, or set_optimizer_state_dict), "
+                            "not a full or differently sharded one")
+                    off = sum(sizes[:g.fsdp_params.index(fp)])
+                    block.narrow(0, off, local.numel()).copy_(local.reshape(-1))
+                self._momentum_block(root, gi, export=False, block=block)
+        if root.load_pending:
+            root.steps = {}
+        for p in self._owned_in(root, optimizer):
+            entry = optimizer.state.get(p)
+            if entry is not None and "momentum_buffer" in entry:
+                root.has_state.add(id(p))
+                del entry["momentum_buffer"]
+                step = entry.pop("step", None)
+                if step is not None:
+                    root.steps[id(p)] = int(_num(step))
+                if not entry:
+                    del optimizer.state[p]
+        root.load_pending = False
+        root.momentum_live = True
 
     def on_optimizer_step(self, optimizer):
         for root in self.roots:
@@ -723,9 +882,17 @@ class Companion:
                     "would step them with the zero gradient it keeps (momentum, weight decay), "
                     "mfsdp's owners skip a matrix without gradient; use zero_grad() "
                     "(set_to_none=True, the default)")
+            if root.load_pending or any("momentum_buffer" in optimizer.state.get(p, {})
+                                        for p in self._owned_in(root, optimizer)):
+                # a loaded optimizer state (a resume, a rollback) or a new optimizer: the
+                # owners take its momentum (zero where it holds none) before they step
+                self._push_momentum(root, optimizer)
             self.shim.step(root.handle, factor)
+            root.has_state |= root.reduced  # torch makes a matrix's state at its first step
+            for i in root.reduced:
+                root.steps[i] = root.steps.get(i, 0) + 1
             root.stepped = bool(root.reduced)  # a step with no gradient keeps none either
-            root.owner_steps += root.stepped
+            root.momentum_live |= root.stepped
             root.reduced.clear()
             root.dirty = True
             if root.manifest["world_size"] == 1:
@@ -749,6 +916,7 @@ class Companion:
         if factor == 0.0 and not any(bool(t.any()) for t in local):
             for p in stray:
                 p.grad = None
+                root.has_state.add(id(p))  # torch's init step gives it (zero) state
             root.keep_next_zero = True
             return True
         name = next((n for n, p in root.module.named_parameters() if p is stray[0]), "?")
@@ -775,13 +943,12 @@ class Companion:
                 "step every matrix of the root at once with one lr factor: put the root's "
                 "matrices in one optimizer (torch.optim.Muon, or the one of the other params; "
                 "the other params may have optimizers of their own)")
-        if root.optimizer is not None and root.owner_steps:
-            raise CompanionError(
-                f"a new {type(optimizer).__name__} steps the owner-managed matrices after "
-                f"the owners stepped {root.owner_steps} times with another optimizer (now "
-                "gone): torch would start its state fresh, but mfsdp's owners keep their Muon "
-                "momentum and cannot reset it; keep one optimizer over the matrices for the "
-                "whole run")
+        if root.optimizer is not None:
+            # a new optimizer after the one that stepped the owners is gone: torch starts its
+            # state fresh, so do the owners (zero momentum, or what it loaded, at this step)
+            root.load_pending = True
+            root.has_state = set()
+            root.steps = {}
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = root.owned - held
         other = [o for o in list(getattr(self, "_lr0", {}).keys()) if o is not optimizer and

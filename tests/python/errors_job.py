@@ -18,7 +18,7 @@ import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
-from mfsdp import companion  # noqa: E402
+from mfsdp import _shim, companion  # noqa: E402
 from mfsdp.manifest import ManifestError  # noqa: E402
 
 
@@ -30,8 +30,8 @@ class AcceptingShim:
         self.n += 1
         return self.n - 1
 
-    def tag(self, *a):
-        pass
+    def tag(self, handle, kind, *a):
+        self.tags = getattr(self, "tags", []) + [kind]
 
     def untag(self):
         pass
@@ -607,41 +607,61 @@ def main():
            ["weights loaded", "between the backward and optimizer.step"], load_before_step)
     cases += 1
 
-    # The owners' momentum is not in the job's optimizer state: a rollback of that state
-    # after an owner step, a state holding some for a matrix, and a new optimizer after the
-    # owners stepped with another are refused; a load before any owner step (a resume) is not.
-    def opt_rollback():
+    # The owners keep the matrices' optimizer state (Muon momentum): a loaded state that holds
+    # other non-zero state for a matrix, or a momentum_buffer that is not the matrix's shard,
+    # is refused; a rollback and a new optimizer hand their state (or zeros) to the owners at
+    # the next step.
+    def opt_foreign_state():
+        m = fresh()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        sd = opt.state_dict()
+        sd["state"] = {0: {"step": torch.tensor(1.0), "exp_avg": torch.ones(1)}}
+        opt.load_state_dict(sd)
+    expect("an optimizer state with a matrix's AdamW state", companion.CompanionError,
+           [r"'exp_avg'", "owner-managed matrix 0.weight", "drop the matrices"],
+           opt_foreign_state)
+    cases += 1
+
+    def opt_full_momentum():
+        m = fresh()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        sd = opt.state_dict()
+        sd["state"] = {0: {"step": torch.tensor(1.0),
+                           "momentum_buffer": torch.zeros(m[0].weight.shape)}}
+        opt.load_state_dict(sd)
+        opt.step()
+    expect("a full momentum_buffer for a sharded matrix", companion.CompanionError,
+           ["momentum_buffer loaded for owner-managed matrix 0.weight", r"Tensor \(8, 8\)",
+            "not a full or differently sharded one"], opt_full_momentum)
+    cases += 1
+
+    def pushes(what, make):
+        m, opt = make()
+        before = list(getattr(comp.shim, "tags", []))
+        opt.step()
+        after = getattr(comp.shim, "tags", [])[len(before):]
+        if _shim.TAG_LOAD_MOMENTUM not in after:
+            raise SystemExit(f"FAIL: {what}: no momentum import at the next step ({after})")
+        if dist.get_rank() == 0:
+            print(f"ok: {what}: the owners take its momentum at the next step", flush=True)
+
+    def rollback():
         m = fresh()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
         saved = opt.state_dict()
         opt.step()
         opt.zero_grad()
         opt.load_state_dict(saved)
-    expect("optimizer.load_state_dict after an owner step", companion.CompanionError,
-           ["load_state_dict over the owner-managed matrices after the owners stepped",
-            "cannot roll"], opt_rollback)
-    cases += 1
-
-    def opt_foreign_state():
-        m = fresh()
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        sd = opt.state_dict()
-        sd["state"] = {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(1)}}
-        opt.load_state_dict(sd)
-    expect("an optimizer state with a matrix's state", companion.CompanionError,
-           [r"'exp_avg'", "owner-managed matrix 0.weight", "drop the matrices"],
-           opt_foreign_state)
-    cases += 1
+        fwd_bwd(m)
+        return m, opt
+    pushes("optimizer.load_state_dict after an owner step (a rollback)", rollback)
 
     def new_optimizer():
         m = stepped()  # its optimizer is gone
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
         fwd_bwd(m)
-        opt.step()
-    expect("a new optimizer after the owners stepped", companion.CompanionError,
-           ["a new AdamW steps the owner-managed matrices", "keep one optimizer"],
-           new_optimizer)
-    cases += 1
+        return m, opt
+    pushes("a new optimizer after the owners stepped", new_optimizer)
 
     m = fresh()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)

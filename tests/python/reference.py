@@ -108,16 +108,6 @@ def train(args, world, optim):
     opt, sched = job.make_optimizer(args, adamw_params)
     lam = job.lr_lambda(args)
     mp = [trainable[n] for n in muon_names]
-    if optim in ("muon64", "muon32"):
-        muon = Muon64(mp, lr=muon_lr, momentum=args.muon_momentum, weight_decay=args.muon_wd,
-                      scale="keller" if args.muon_adjust == "original" else "moonlight",
-                      dtype=torch.float64 if optim == "muon64" else torch.float32)
-    elif optim == "torch-muon":
-        muon = torch.optim.Muon(mp, lr=muon_lr, weight_decay=args.muon_wd,
-                                momentum=args.muon_momentum, nesterov=True, ns_steps=5,
-                                adjust_lr_fn=args.muon_adjust) if mp else None
-    else:
-        muon = None
     names = list(trainable)
 
     def rank_grads(x, y, r):
@@ -133,8 +123,32 @@ def train(args, world, optim):
         gs = torch.autograd.grad(loss, [trainable[n] for n in names], allow_unused=True)
         return loss.item(), gs
 
-    saved = None
+    def new_muon():
+        if optim in ("muon64", "muon32"):
+            return Muon64(mp, lr=muon_lr, momentum=args.muon_momentum,
+                          weight_decay=args.muon_wd,
+                          scale="keller" if args.muon_adjust == "original" else "moonlight",
+                          dtype=torch.float64 if optim == "muon64" else torch.float32)
+        if optim == "torch-muon" and mp:
+            return torch.optim.Muon(mp, lr=muon_lr, weight_decay=args.muon_wd,
+                                    momentum=args.muon_momentum, nesterov=True, ns_steps=5,
+                                    adjust_lr_fn=args.muon_adjust)
+        return None
+    muon = new_muon()
+    if args.optim_revert != "none" and not args.constant_lr:
+        raise SystemExit("--optim-revert is emulated with --constant-lr only")
+
+    saved = saved_optim = None
     for step in range(args.steps):
+        if args.optim_revert == "load" and step == job.REVERT_AT:  # the job's --optim-revert
+            opt.load_state_dict(saved_optim[0])
+            if isinstance(muon, Muon64):
+                muon.m = {k: v.clone() for k, v in saved_optim[1].items()}
+            elif muon is not None:
+                muon.load_state_dict(saved_optim[1])
+        elif args.optim_revert == "new" and step == job.REVERT_AT:
+            opt, sched = job.make_optimizer(args, adamw_params)
+            muon = new_muon()
         if args.revert != "none" and step == job.REVERT_AT:  # the job's --revert
             keep = job.revert_scope(args)
             with torch.no_grad():
@@ -183,6 +197,11 @@ def train(args, world, optim):
         print(f"step {step} loss {total:.6f}", flush=True)
         if args.revert != "none" and step == job.REVERT_SAVE:
             saved = {n: p.detach().clone() for n, p in params.items()}
+        if args.optim_revert == "load" and step == job.REVERT_SAVE:
+            saved_optim = [job.clone_state(opt.state_dict()),
+                           {k: v.clone() for k, v in muon.m.items()}
+                           if isinstance(muon, Muon64) else
+                           job.clone_state(muon.state_dict()) if muon is not None else None]
     return {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
