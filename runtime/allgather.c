@@ -235,7 +235,8 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
  * category cat of the group's owned tensors. to_owners = 0: the owners send each rank its rows
  * (padding rows of the block zeroed); 1: every rank sends its rows to the owner, which writes
  * them into its slot (padding rows of the block not read). With cat MOMENTUM only the owned
- * Muon tensors take part (every rank knows the roles, so all post the same transfers). */
+ * trainable Muon tensors take part (every rank knows roles and requires_grad, so all post the
+ * same transfers). */
 static mfsdp_status_t exchange_state(struct mfsdp_ctx *ctx, size_t group, mfsdp_arena_cat_t cat,
                                      int to_owners, float *block, size_t count, const char *what)
 {
@@ -274,8 +275,10 @@ static mfsdp_status_t exchange_state(struct mfsdp_ctx *ctx, size_t group, mfsdp_
     size_t nv = 0;
     for (size_t i = 0; i < gs->nsegs; i++) {
         const mfsdp_sched_seg_t *s = &gs->segs[i];
-        if (cat == MFSDP_ARENA_MOMENTUM && gd->params[s->param].optimizer != MFSDP_ROLE_MUON) {
-            continue; /* no momentum: its rows of the block are neither written nor read */
+        if (cat == MFSDP_ARENA_MOMENTUM && (ctx->plan->shards[s->shard].role != MFSDP_ROLE_MUON ||
+                                            !gd->params[s->param].requires_grad)) {
+            continue; /* no momentum (AdamW; frozen: the arena gives it none): its rows of the
+                         block are neither written nor read */
         }
         const mfsdp_param_layout_t *e = &ag->entries[s->param];
         float *slot = mfsdp_ctx_slot(ctx, s->shard, cat);

@@ -248,9 +248,9 @@ MFSDP_API mfsdp_status_t mfsdp_ctx_scatter_masters(mfsdp_ctx_h ctx, size_t group
  *        of mfsdp_ctx_scatter_masters() (fp32, padding rows zero): the job's optimizer state
  *        dict then holds each owned matrix's momentum as the shards torch.optim.Muon keeps
  *        ("momentum_buffer"; mfsdp's Muon updates it as torch does, m = mu m + (1 - mu) g).
- *        Only owned Muon tensors are written; the rows of every other param are left
- *        untouched. Collective (owners send each rank its rows). Call it between steps (in
- *        lazy step mode after mfsdp_ctx_flush()).
+ *        Only owned trainable Muon tensors are written (a frozen one has no momentum); the
+ *        rows of every other param are left untouched. Collective (owners send each rank its
+ *        rows). Call it between steps (in lazy step mode after mfsdp_ctx_flush()).
  * @return MFSDP_OK, MFSDP_ERR_MISMATCH (count), MFSDP_ERR_INVALID_ARG, MFSDP_ERR_TRANSPORT
  * @since the shim's tagged-mode ABI 3
  */
@@ -258,11 +258,11 @@ MFSDP_API mfsdp_status_t mfsdp_ctx_scatter_momentum(mfsdp_ctx_h ctx, size_t grou
                                                     size_t count);
 
 /**
- * @brief The reverse of mfsdp_ctx_scatter_momentum(): every rank sends the rows of this rank's
- *        FSDP shard (same layout) of each owned Muon tensor to its owner, which replaces its
- *        momentum with them (a resume, or an optimizer state loaded mid-run; zero rows restart
- *        the momentum from zero). Padding rows and other params' rows are not read. Weights,
- *        gradients and step counts are unchanged. Collective.
+ * @brief The reverse of mfsdp_ctx_scatter_momentum(): every rank sends the rows of this
+ *        rank's FSDP shard (same layout) of each owned trainable Muon tensor to its owner,
+ *        which replaces its momentum with them (a resume, or an optimizer state loaded
+ *        mid-run; zero rows restart the momentum from zero). Padding rows and other params'
+ *        rows are not read. Weights, gradients and step counts are unchanged. Collective.
  * @return MFSDP_OK, MFSDP_ERR_MISMATCH (count), MFSDP_ERR_INVALID_ARG, MFSDP_ERR_TRANSPORT
  * @since the shim's tagged-mode ABI 3
  */

@@ -956,6 +956,105 @@ static double compare_masters(mfsdp_ctx_h ctx, const mfsdp_manifest_t *m, ref_pa
     return worst;
 }
 
+/* The owners' Muon momentum through this rank's FSDP block of each group (the job's optimizer
+ * state under the PyTorch companion). Only trainable Muon params hold momentum (the arena gives
+ * a frozen one none, and torch keeps no state for it); every other param's rows are neither
+ * written nor read, so they hold NaN wherever a gather must not read and the sentinel wherever
+ * a scatter must not write. 1. mfsdp_ctx_scatter_momentum against the float64 reference's
+ * momentum: the same m = mu m + (1 - mu) g on the same (clipped) summed gradients as
+ * kernels/cpu/muon.c, with no Newton-Schulz in between, so the masters' 1e-5 holds; padding
+ * rows zero. 2. A round trip of distinct values through mfsdp_ctx_gather_momentum and back,
+ * bitwise (the owners' momentum then holds no NaN: each rank checks its rows of it). 3. A wrong
+ * count or a NULL block is refused alike on every rank, before any transfer (nothing left
+ * posted). 4. The trained momentum put back from 1's block, and checked bitwise, for what the
+ * test does next. */
+static void check_momentum(mfsdp_ctx_h ctx, const mfsdp_manifest_t *m, ref_param_t **R,
+                           const lay_t *LA, const char *what)
+{
+    const float sentinel = -7.0f;
+    for (size_t g = 0; g < m->ngroups; g++) {
+        const mfsdp_group_desc_t *gd = &m->groups[g];
+        size_t cnt = 0, off[9];
+        for (size_t i = 0; i < gd->nparams; i++) {
+            off[i] = cnt;
+            cnt += (size_t)(LA[g].c[i] * LA[g].rest[i]);
+        }
+        off[gd->nparams] = cnt;
+        float *trained = malloc(cnt * sizeof(float) + 4), *sent = malloc(cnt * sizeof(float) + 4);
+        float *back = malloc(cnt * sizeof(float) + 4);
+        for (size_t e = 0; e < cnt; e++) {
+            trained[e] = back[e] = sentinel;
+        }
+        CHECK_OK(mfsdp_ctx_scatter_momentum(ctx, g, trained, cnt));
+        for (size_t i = 0; i < gd->nparams; i++) {
+            const ref_param_t *q = &R[g][i];
+            int has = q->muon && q->rg;
+            int64_t first = g_rank * LA[g].c[i], rows = q->rows - first;
+            rows = rows < 0 ? 0 : (rows > LA[g].c[i] ? LA[g].c[i] : rows);
+            size_t valid = (size_t)(rows * LA[g].rest[i]);
+            const double *ref = q->mom + (size_t)first * (size_t)LA[g].rest[i];
+            double nd = 0, nr = 1e-30;
+            int bad = 0;
+            for (size_t e = 0; e < off[i + 1] - off[i]; e++) {
+                float x = trained[off[i] + e];
+                if (!has) {
+                    bad |= x != sentinel;
+                } else if (e < valid) {
+                    nd += (x - ref[e]) * (x - ref[e]);
+                    nr += ref[e] * ref[e];
+                } else {
+                    bad |= x != 0.0f;
+                }
+                sent[off[i] + e] =
+                    has && e < valid ? 0.5f + (float)g_rank + (float)(off[i] + e) / 4096.0f : NAN;
+            }
+            CHECK(!bad, "%s: scatter_momentum of %s: %s", what, gd->params[i].name,
+                  has ? "padding rows not zero" : "wrote a param without momentum");
+            CHECK(sqrt(nd / nr) <= 1e-5, "%s: scatter_momentum of %s is %.3g off the reference",
+                  what, gd->params[i].name, sqrt(nd / nr));
+        }
+        CHECK_OK(mfsdp_ctx_gather_momentum(ctx, g, sent, cnt));
+        CHECK_OK(mfsdp_ctx_scatter_momentum(ctx, g, back, cnt));
+        for (size_t i = 0; i < gd->nparams; i++) {
+            size_t bad = 0;
+            for (size_t e = off[i]; e < off[i + 1]; e++) {
+                float want = !(R[g][i].muon && R[g][i].rg) ? sentinel
+                             : isnan(sent[e])              ? 0.0f
+                                                           : sent[e];
+                bad += memcmp(&back[e], &want, sizeof(float)) != 0;
+            }
+            CHECK(bad == 0,
+                  "%s: momentum of %s through gather_momentum and back: %zu of %zu differ", what,
+                  gd->params[i].name, bad, off[i + 1] - off[i]);
+        }
+        char log[1024] = "";
+        mfsdp_log_capture_begin();
+        mfsdp_status_t st[4] = {
+            mfsdp_ctx_gather_momentum(ctx, g, trained, cnt + 1),
+            mfsdp_ctx_scatter_momentum(ctx, g, back, cnt - 1), /* cnt > 0: a group has params */
+            mfsdp_ctx_scatter_momentum(ctx, g, NULL, cnt),
+            mfsdp_ctx_gather_momentum(ctx, g, NULL, cnt),
+        };
+        mfsdp_log_capture_end(log, sizeof(log));
+        CHECK(st[0] == MFSDP_ERR_MISMATCH && st[1] == MFSDP_ERR_MISMATCH &&
+                  st[2] == MFSDP_ERR_INVALID_ARG && st[3] == MFSDP_ERR_INVALID_ARG &&
+                  strstr(log, "its FSDP shard has") != NULL,
+              "%s: group %s: count + 1, count - 1, NULL, NULL: %s, %s, %s, %s (%s)", what, gd->name,
+              mfsdp_status_string(st[0]), mfsdp_status_string(st[1]), mfsdp_status_string(st[2]),
+              mfsdp_status_string(st[3]), log);
+        for (size_t e = 0; e < cnt; e++) {
+            back[e] = sentinel;
+        }
+        CHECK_OK(mfsdp_ctx_gather_momentum(ctx, g, trained, cnt));
+        CHECK_OK(mfsdp_ctx_scatter_momentum(ctx, g, back, cnt));
+        CHECK(memcmp(back, trained, cnt * sizeof(float)) == 0,
+              "%s: group %s: the trained momentum did not come back bitwise", what, gd->name);
+        free(trained);
+        free(sent);
+        free(back);
+    }
+}
+
 /* One optimizer step of the float64 reference: full-matrix Muon and AdamW on the summed
  * gradients, lr times f, global-norm clipping when clip > 0; params without gradient in the
  * window, frozen ones and (job) the job's AdamW tensors are left alone. */
@@ -1285,6 +1384,7 @@ static void test_train(uint64_t seed, const train_cfg_t *tc)
         }
         free(block);
     }
+    check_momentum(ctx, m, R, LA, what);
     double gworst = 0;
     PMPI_Allreduce(&worst, &gworst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     if (g_rank == 0) {
