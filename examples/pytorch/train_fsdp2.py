@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ max_norm (0: off)")
     p.add_argument("--frozen", action="store_true",
                    help="blocks.0.mlp.fc1.bias is a frozen bfloat16 param")
+    p.add_argument("--frozen-matrix", action="store_true",
+                   help="blocks.0.attn.wk.weight is frozen (a matrix mfsdp's owners hold "
+                   "without optimizer state)")
     p.add_argument("--unused", action="store_true",
                    help="the last block has a trainable param the forward never uses")
     p.add_argument("--bf16", action="store_true",
@@ -186,6 +189,8 @@ def build_model(args):
     if args.frozen:
         fc1 = model.blocks[0].mlp.fc1
         fc1.bias = nn.Parameter(fc1.bias.detach().to(torch.bfloat16), requires_grad=False)
+    if args.frozen_matrix:
+        model.blocks[0].attn.wk.weight.requires_grad_(False)
     return model
 
 

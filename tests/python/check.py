@@ -114,6 +114,7 @@ CONFIGS = {
     "resume_dcp": ["--optimizer", "muon", "--resume-via", "dcp"],
     "resume_torch": ["--resume-via", "torch"],
     "resume_hsdp": ["--hsdp", "2", "--optimizer", "muon", "--resume-via", "dcp"],
+    "resume_frozen": ["--frozen-matrix", "--unused", "--resume-via", "torch"],
 }
 RESUME_AT = 2
 STEPS = ["--steps", "4"]
