@@ -730,8 +730,8 @@ class Companion:
         cls = self._muon_class()
         with_step = cls is None or not isinstance(optimizer, cls)
         for root in self.roots:
-            if root is None or not root.owned or root.load_pending:
-                continue  # a loaded state not taken yet: torch's own state_dict shows it
+            if root is None or not root.owned:
+                continue
             bound = root.optimizer() if root.optimizer is not None else None
             if bound is not optimizer:
                 continue  # the owners' state is that of the optimizer that stepped them
@@ -743,13 +743,16 @@ class Companion:
                         index[id(p)] = k
             if not index:
                 continue
+            # A loaded state (or a new optimizer) the owners take at the next step: torch's own
+            # state_dict shows what it loaded; a matrix it holds none for restarts from zero.
+            live = root.momentum_live and not root.load_pending
             with torch.no_grad():
                 for gi, (g, _) in enumerate(root.layout):
                     fps = [fp for fp in g.fsdp_params if id(fp.sharded_param) in index]
                     if not fps:
                         continue
                     block, offsets = None, None
-                    if root.momentum_live:
+                    if live:
                         block, offsets = self._momentum_block(root, gi, export=True)
                     for fp in fps:
                         p = fp.sharded_param

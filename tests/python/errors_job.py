@@ -19,6 +19,7 @@ import torch.nn as nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 from mfsdp import _shim, companion  # noqa: E402
+from mfsdp.companion import _local  # noqa: E402
 from mfsdp.manifest import ManifestError  # noqa: E402
 
 
@@ -662,6 +663,21 @@ def main():
         fwd_bwd(m)
         return m, opt
     pushes("a new optimizer after the owners stepped", new_optimizer)
+
+    # DCP's state dict of a new optimizer (its init step gives every param zero state) shows
+    # the matrices' zero momentum, so that a DCP load into it requests theirs.
+    m = stepped()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    osd = get_optimizer_state_dict(m, opt)
+    got = {k: sorted(v) for k, v in osd["state"].items() if k in ("0.weight", "2.weight")}
+    if got != {"0.weight": ["momentum_buffer", "step"], "2.weight": ["momentum_buffer", "step"]}:
+        raise SystemExit(f"FAIL: a new optimizer's DCP state dict: matrices' state {got}")
+    if any(bool(_local(osd["state"][k]["momentum_buffer"]).any()) for k in got):
+        raise SystemExit("FAIL: a new optimizer's DCP state dict: non-zero momentum")
+    if dist.get_rank() == 0:
+        print("ok: a new optimizer's DCP state dict shows the matrices' zero momentum",
+              flush=True)
 
     m = fresh()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
