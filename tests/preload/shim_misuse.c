@@ -106,6 +106,29 @@ static void *shim_fn(const char *name)
     return f;
 }
 
+/* The shim's tagging entry points and this program's manifest registered (eager, one group). */
+typedef struct tagged {
+    int (*tag)(int, int, size_t, const unsigned char *, size_t);
+    const char *(*last_error)(void);
+    int id;
+} tagged_t;
+
+static tagged_t register_tagged(void)
+{
+    int (*reg)(const char *, size_t) =
+        (int (*)(const char *, size_t))shim_fn("mfsdp_shim_register");
+    tagged_t t;
+    t.tag = (int (*)(int, int, size_t, const unsigned char *, size_t))shim_fn("mfsdp_shim_tag");
+    t.last_error = (const char *(*)(void))shim_fn("mfsdp_shim_last_error");
+    const char *text = manifest_text(0);
+    t.id = reg(text, strlen(text));
+    if (t.id < 0) {
+        fprintf(stderr, "shim_misuse: rank %d: register: %s\n", rank, t.last_error());
+        MPI_Abort(MPI_COMM_WORLD, 2);
+    }
+    return t;
+}
+
 int main(int argc, char **argv)
 {
     MPI_Init(&argc, &argv);
@@ -235,23 +258,13 @@ int main(int argc, char **argv)
                strcmp(mode, "nccl-plain") == 0 ? ", communicator destroyed"
                                                : "; exiting without destroying the communicator");
     } else if (strcmp(mode, "nccl-spent") == 0) {
-        int (*reg)(const char *, size_t) =
-            (int (*)(const char *, size_t))shim_fn("mfsdp_shim_register");
-        int (*tag)(int, int, size_t, const unsigned char *, size_t) =
-            (int (*)(int, int, size_t, const unsigned char *, size_t))shim_fn("mfsdp_shim_tag");
-        const char *(*last_error)(void) = (const char *(*)(void))shim_fn("mfsdp_shim_last_error");
-        const char *text = manifest_text(0);
-        int id = reg(text, strlen(text));
-        if (id < 0) {
-            fprintf(stderr, "shim_misuse: rank %d: register: %s\n", rank, last_error());
-            MPI_Abort(MPI_COMM_WORLD, 2);
-        }
+        tagged_t t = register_tagged();
         ncclComm_t comm = make_comm();
         ncclResult_t r = ncclSuccess;
-        if (tag(id, MFSDP_SHIM_TAG_ALLGATHER, 0, NULL, 2) == 0) {
+        if (t.tag(t.id, MFSDP_SHIM_TAG_ALLGATHER, 0, NULL, 2) == 0) {
             r = ncclAllGather(full + (size_t)rank * S, full, S, ncclFloat32, comm, NULL);
         }
-        if (r == ncclSuccess && tag(id, MFSDP_SHIM_TAG_REDUCE_SCATTER, 0, NULL, 2) == 0) {
+        if (r == ncclSuccess && t.tag(t.id, MFSDP_SHIM_TAG_REDUCE_SCATTER, 0, NULL, 2) == 0) {
             r = ncclReduceScatter(grad, out, S, ncclFloat32, ncclSum, comm, NULL);
         }
         if (r != ncclSuccess) {
@@ -263,8 +276,8 @@ int main(int argc, char **argv)
         }
         printf("ok: rank %d: a tagged step on the first communicator, destroyed\n", rank);
         ncclComm_t again = make_comm();
-        if (tag(id, MFSDP_SHIM_TAG_ALLGATHER, 0, NULL, 2) != 0) {
-            fprintf(stderr, "shim_misuse: rank %d: tag: %s\n", rank, last_error());
+        if (t.tag(t.id, MFSDP_SHIM_TAG_ALLGATHER, 0, NULL, 2) != 0) {
+            fprintf(stderr, "shim_misuse: rank %d: tag: %s\n", rank, t.last_error());
             MPI_Abort(MPI_COMM_WORLD, 2);
         }
         r = ncclAllGather(full + (size_t)rank * S, full, S, ncclFloat32, again, NULL);
@@ -273,17 +286,7 @@ int main(int argc, char **argv)
         (void)ncclCommDestroy(again);
         code = 3;
     } else if (strcmp(mode, "nccl-momentum") == 0) {
-        int (*reg)(const char *, size_t) =
-            (int (*)(const char *, size_t))shim_fn("mfsdp_shim_register");
-        int (*tag)(int, int, size_t, const unsigned char *, size_t) =
-            (int (*)(int, int, size_t, const unsigned char *, size_t))shim_fn("mfsdp_shim_tag");
-        const char *(*last_error)(void) = (const char *(*)(void))shim_fn("mfsdp_shim_last_error");
-        const char *text = manifest_text(0);
-        int id = reg(text, strlen(text));
-        if (id < 0) {
-            fprintf(stderr, "shim_misuse: rank %d: register: %s\n", rank, last_error());
-            MPI_Abort(MPI_COMM_WORLD, 2);
-        }
+        tagged_t t = register_tagged();
         ncclComm_t comm = make_comm();
         const size_t wn = (size_t)cw * W_COLS; /* w's rows in a block, then b's */
         float *mine = malloc(S * sizeof(float));
@@ -293,16 +296,16 @@ int main(int argc, char **argv)
             mine[i] = w_row ? 1.0f + 0.5f * (float)rank + (float)i / 128.0f : NAN;
         }
         ncclResult_t r = ncclSuccess;
-        if (tag(id, MFSDP_SHIM_TAG_ALLGATHER, 0, NULL, 2) == 0) {
+        if (t.tag(t.id, MFSDP_SHIM_TAG_ALLGATHER, 0, NULL, 2) == 0) {
             r = ncclAllGather(full + (size_t)rank * S, full, S, ncclFloat32, comm, NULL);
         }
-        if (r == ncclSuccess && tag(id, MFSDP_SHIM_TAG_LOAD_MOMENTUM, 0, NULL, 2) == 0) {
+        if (r == ncclSuccess && t.tag(t.id, MFSDP_SHIM_TAG_LOAD_MOMENTUM, 0, NULL, 2) == 0) {
             r = ncclAllGather(mine, blocks, S, ncclFloat32, comm, NULL);
         }
         for (size_t i = 0; i < S * (size_t)world; i++) {
             blocks[i] = -7.0f;
         }
-        if (r == ncclSuccess && tag(id, MFSDP_SHIM_TAG_SYNC_MOMENTUM, 0, NULL, 2) == 0) {
+        if (r == ncclSuccess && t.tag(t.id, MFSDP_SHIM_TAG_SYNC_MOMENTUM, 0, NULL, 2) == 0) {
             float *at = blocks + (size_t)rank * S;
             r = ncclAllGather(at, blocks, S, ncclFloat32, comm, NULL);
         }
@@ -317,8 +320,8 @@ int main(int argc, char **argv)
         }
         printf("%s: rank %d: momentum imported and exported: %zu of %zu elements differ\n",
                bad == 0 ? "ok" : "FAIL", rank, bad, S);
-        if (tag(id, MFSDP_SHIM_TAG_SYNC_MOMENTUM, 0, NULL, 2) != 0) {
-            fprintf(stderr, "shim_misuse: rank %d: tag: %s\n", rank, last_error());
+        if (t.tag(t.id, MFSDP_SHIM_TAG_SYNC_MOMENTUM, 0, NULL, 2) != 0) {
+            fprintf(stderr, "shim_misuse: rank %d: tag: %s\n", rank, t.last_error());
             MPI_Abort(MPI_COMM_WORLD, 2);
         }
         r = ncclAllGather(blocks + (size_t)rank * (S - 1), blocks, S - 1, ncclFloat32, comm, NULL);
