@@ -144,7 +144,8 @@ class Companion:
             for mod, patch, names in (
                     ("state_dict_loader", patch_dcp_load, ("load", "load_state_dict")),
                     ("state_dict_saver", patch_dcp_save, ("save", "save_state_dict",
-                                                          "async_save"))):
+                                                          "async_save")),
+                    ("state_dict", patch_dcp_state_dict, ())):
                 m = sys.modules.get("torch.distributed.checkpoint." + mod)
                 if m is not None:  # imported before the companion: rebind the package's names
                     patch(m)
@@ -1293,6 +1294,36 @@ def patch_dcp_save(saver):
         f = getattr(saver, name, None)
         if f is not None and not getattr(f, "_mfsdp", False):
             setattr(saver, name, _dcp_wrapped(f, load=False))
+
+
+def patch_dcp_state_dict(module):
+    """Wrap torch.distributed.checkpoint.state_dict's get/set_optimizer_state_dict and
+    get/set_state_dict (run once that module has executed): a resume calls them before the
+    first forward, where mfsdp registers the model. Their init step of an optimizer without
+    state (zero gradients at lr 0) would then give the matrices the job optimizer's own state
+    (AdamW's exp_avg, ...), which a checkpoint saved under mfsdp does not hold (it holds the
+    owners' momentum): DCP would stop with "Missing key". The FSDP2 root given as `model` is
+    registered first (FSDP2's lazy init, which its first forward would run)."""
+    for name in ("get_optimizer_state_dict", "set_optimizer_state_dict", "get_state_dict",
+                 "set_state_dict"):
+        f = getattr(module, name, None)
+        if f is not None and not getattr(f, "_mfsdp", False):
+            setattr(module, name, _registering(f))
+
+
+def _registering(f):
+    def wrapper(model, *args, **kwargs):
+        comp = _installed
+        get_state = getattr(model, "_get_fsdp_state", None)
+        if comp is not None and comp.mode == "tag" and get_state is not None:
+            state = get_state()
+            if state._is_root is None:
+                state._lazy_init()  # registers the root (the companion's lazy-init hook)
+        return f(model, *args, **kwargs)
+    wrapper._mfsdp = True
+    wrapper.__doc__ = f.__doc__
+    wrapper.__wrapped__ = f
+    return wrapper
 
 
 def _dcp_roots(comp, state_dict):

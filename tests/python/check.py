@@ -113,6 +113,7 @@ CONFIGS = {
     "optim_new": ["--optimizer", "muon", "--constant-lr", "--optim-revert", "new"],
     "resume_dcp": ["--optimizer", "muon", "--resume-via", "dcp"],
     "resume_torch": ["--resume-via", "torch"],
+    "resume_dcp_adamw": ["--resume-via", "dcp"],
     "resume_hsdp": ["--hsdp", "2", "--optimizer", "muon", "--resume-via", "dcp"],
     "resume_frozen": ["--frozen-matrix", "--unused", "--resume-via", "torch"],
 }

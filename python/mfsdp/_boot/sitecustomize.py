@@ -32,13 +32,19 @@ def _boot():
         def on_dcp_saver(module):
             from mfsdp import companion
             companion.patch_dcp_save(module)
+
+        def on_dcp_state_dict(module):
+            from mfsdp import companion
+            companion.patch_dcp_state_dict(module)
         _importhook.after_import({"torch.nn.utils.clip_grad": on_clip,
                                   "torch.nn.utils": on_utils,
                                   "torch.distributed.fsdp": on_fsdp,
                                   "torch.distributed.checkpoint.state_dict_loader":
                                       on_dcp_loader,
                                   "torch.distributed.checkpoint.state_dict_saver":
-                                      on_dcp_saver})
+                                      on_dcp_saver,
+                                  "torch.distributed.checkpoint.state_dict":
+                                      on_dcp_state_dict})
     _importhook.chain_sitecustomize(here)
 
 
