@@ -749,18 +749,17 @@ class Companion:
             live = root.momentum_live and not root.load_pending
             with torch.no_grad():
                 for gi, (g, _) in enumerate(root.layout):
-                    fps = [fp for fp in g.fsdp_params if id(fp.sharded_param) in index]
-                    if not fps:
+                    mine = [(i, fp) for i, fp in enumerate(g.fsdp_params)
+                            if id(fp.sharded_param) in index]
+                    if not mine:
                         continue
-                    block, offsets = None, None
-                    if live:
-                        block, offsets = self._momentum_block(root, gi, export=True)
-                    for fp in fps:
+                    block = self._exchange("sync_m", root, gi) if live else None
+                    offsets, _ = self._block_offsets(g)
+                    for i, fp in mine:
                         p = fp.sharded_param
                         buf = torch.zeros_like(p, requires_grad=False)
                         if block is not None:
                             local = _local(buf)
-                            i = g.fsdp_params.index(fp)
                             local.copy_(block.narrow(0, offsets[i], local.numel())
                                         .view(local.shape))
                         k = index[id(p)]
@@ -771,39 +770,51 @@ class Companion:
                         sd["state"][k] = entry
         return sd
 
-    def _momentum_block(self, root, gi, export, block=None):
-        """The tagged momentum exchange of group gi: export (block None): this rank's FSDP
-        block in fp32 filled with the owners' momentum; import: the owners take `block`.
-        Returns (block, element offset of each param in it)."""
+    @staticmethod
+    def _block_offsets(g):
+        """(element offset of each param, size) of group g's FSDP block in fp32: FSDP2's
+        padded shards, in param order (the layout of the shim's tagged exchanges)."""
+        offsets, total = [], 0
+        for fp in g.fsdp_params:
+            offsets.append(total)
+            total += fp._sharded_param_data.numel()
+        return offsets, total
+
+    def _exchange(self, what, root, gi, block=None):
+        """One tagged float32 all-gather of group gi's FSDP blocks, which the shim turns into
+        an exchange with the owners: "sync" (weights) and "sync_m" (momentum) return this
+        rank's block filled by the owners (zeros where they write nothing); "load_m" sends
+        `block` (this rank's rows) to the owners, which take it as their momentum."""
         torch = self.torch
         g = root.layout[gi][0]
         pg = g.mesh_info.shard_process_group
         ws, rank = pg.size(), pg.rank()
-        sizes = [fp._sharded_param_data.numel() for fp in g.fsdp_params]
-        total = sum(sizes)
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        if export:
-            out = torch.zeros(total * ws, dtype=torch.float32, device=g.device)
-            self._all_gather("sync_m", root, gi, out, out.narrow(0, total * rank, total), pg)
-            return out.narrow(0, total * rank, total), offsets
-        out = torch.empty(total * ws, dtype=torch.float32, device=g.device)
-        self._all_gather("load_m", root, gi, out, block, pg)
-        return block, offsets
+        _, total = self._block_offsets(g)
+        if block is not None:  # the output is not written: no need to clear it
+            out = torch.empty(total * ws, dtype=torch.float32, device=g.device)
+            self._all_gather(what, root, gi, out, block, pg)
+            return block
+        out = torch.zeros(total * ws, dtype=torch.float32, device=g.device)
+        mine = out.narrow(0, total * rank, total)
+        self._all_gather(what, root, gi, out, mine, pg)
+        return mine
 
-    def _push_momentum(self, root, optimizer):
-        """Hand the momentum_buffer entries of the owned matrices in the job's optimizer (a
-        loaded state; zero where none) to the owners and drop them from the optimizer."""
+    def _push_momentum(self, root, optimizer, owned):
+        """Hand the momentum_buffer entries of the owned matrices `owned` in the job's
+        optimizer (a loaded state; zero where none) to the owners and drop them from the
+        optimizer."""
         torch = self.torch
-        mine = {id(p) for p in self._owned_in(root, optimizer)}
+        ids = {id(p) for p in owned}
         names = None
         with torch.no_grad():
             for gi, (g, _) in enumerate(root.layout):
-                fps = [fp for fp in g.fsdp_params if id(fp.sharded_param) in mine]
-                if not fps:
+                mine = [(i, fp) for i, fp in enumerate(g.fsdp_params)
+                        if id(fp.sharded_param) in ids]
+                if not mine:
                     continue
-                sizes = [fp._sharded_param_data.numel() for fp in g.fsdp_params]
-                block = torch.zeros(sum(sizes), dtype=torch.float32, device=g.device)
-                for fp in fps:
+                offsets, total = self._block_offsets(g)
+                block = torch.zeros(total, dtype=torch.float32, device=g.device)
+                for i, fp in mine:
                     p = fp.sharded_param
                     buf = optimizer.state.get(p, {}).get("momentum_buffer")
                     if buf is None:
@@ -820,12 +831,11 @@ class Companion:
                             f"{tuple(want.shape)}: load the optimizer state as the sharded "
                             "state dict it was saved as (DCP, or set_optimizer_state_dict), "
                             "not a full or differently sharded one")
-                    off = sum(sizes[:g.fsdp_params.index(fp)])
-                    block.narrow(0, off, local.numel()).copy_(local.reshape(-1))
-                self._momentum_block(root, gi, export=False, block=block)
+                    block.narrow(0, offsets[i], local.numel()).copy_(local.reshape(-1))
+                self._exchange("load_m", root, gi, block)
         if root.load_pending:
             root.steps = {}
-        for p in self._owned_in(root, optimizer):
+        for p in owned:
             entry = optimizer.state.get(p)
             if entry is not None and "momentum_buffer" in entry:
                 root.has_state.add(id(p))
@@ -886,11 +896,12 @@ class Companion:
                     "would step them with the zero gradient it keeps (momentum, weight decay), "
                     "mfsdp's owners skip a matrix without gradient; use zero_grad() "
                     "(set_to_none=True, the default)")
+            owned = self._owned_in(root, optimizer)
             if root.load_pending or any("momentum_buffer" in optimizer.state.get(p, {})
-                                        for p in self._owned_in(root, optimizer)):
+                                        for p in owned):
                 # a loaded optimizer state (a resume, a rollback) or a new optimizer: the
                 # owners take its momentum (zero where it holds none) before they step
-                self._push_momentum(root, optimizer)
+                self._push_momentum(root, optimizer, owned)
             self.shim.step(root.handle, factor)
             root.has_state |= root.reduced  # torch makes a matrix's state at its first step
             for i in root.reduced:
@@ -1114,7 +1125,7 @@ class Companion:
         (DTensors: their local tensors) shares."""
         ptrs = set()
         for t in tensors:
-            t = getattr(t, "_local_tensor", t)
+            t = _local(t)
             try:
                 ptrs.add(t.untyped_storage().data_ptr())
             except (AttributeError, RuntimeError):
@@ -1164,20 +1175,13 @@ class Companion:
                     self._check_versions(root, gi, "the write-back of the owners' weights "
                                          "(state_dict(), mfsdp.sync_weights(), a one-rank "
                                          "step) would overwrite it")
-                pg = g.mesh_info.shard_process_group
-                ws, rank = pg.size(), pg.rank()
-                sizes = [fp._sharded_param_data.numel() for fp in g.fsdp_params]
-                total = sum(sizes)
-                out = torch.zeros(total * ws, dtype=torch.float32, device=g.device)
-                inp = out.narrow(0, total * rank, total)
-                self._all_gather("sync", root, gi, out, inp, pg)
-                offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+                mine = self._exchange("sync", root, gi)
+                offsets, _ = self._block_offsets(g)
                 for i in owned:
                     if i in keep:
                         continue  # every rank joins the all-gather; this one keeps its shard
-                    fp = g.fsdp_params[i]
-                    piece = out.narrow(0, total * rank + offsets[i], sizes[i])
-                    fp._sharded_param_data.copy_(piece)
+                    shard = g.fsdp_params[i]._sharded_param_data
+                    shard.copy_(mine.narrow(0, offsets[i], shard.numel()))
                 self._record_versions(root, gi)
         root.dirty = False
 
