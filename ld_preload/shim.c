@@ -717,10 +717,8 @@ static shim_result_t tagged_call(shim_comm_t *c, const shim_tag_t *tag, const sh
                                  mfsdp_status_t *st_p)
 {
     shim_reg_t *reg = shim_reg_find(tag->id);
-    int sync = tag->kind == MFSDP_SHIM_TAG_SYNC || tag->kind == MFSDP_SHIM_TAG_SYNC_MOMENTUM ||
-                       tag->kind == MFSDP_SHIM_TAG_LOAD_MOMENTUM
-                   ? tag->kind
-                   : 0;
+    /* the state exchanges are the kinds from SYNC on (mfsdp_shim_tag checked the range) */
+    int sync = tag->kind >= MFSDP_SHIM_TAG_SYNC ? tag->kind : 0;
     int want_ag = tag->kind == MFSDP_SHIM_TAG_ALLGATHER || sync;
     char err[1024];
     if (reg == NULL || (want_ag != (call->kind == SHIM_ALLGATHER)) ||
