@@ -16,7 +16,7 @@
 #endif
 
 struct mfsdp_arena {
-    void *base;    /* one anonymous mapping (HOST) or allocation (DEVICE) */
+    void *base;    /* one mapping (HOST: anonymous, or from mem.alloc) or allocation (DEVICE) */
     size_t mapped; /* bytes mapped or allocated */
     mfsdp_arena_kind_t kind;
     mfsdp_arena_mem_t mem;
@@ -208,10 +208,47 @@ static void arena_release(mfsdp_arena_t *a)
             if (a->locked) {
                 munlock(a->base, a->mapped);
             }
-            munmap(a->base, a->mapped);
+            if (a->mem.alloc != NULL) {
+                a->mem.free(a->mem.arg, a->base);
+            } else {
+                munmap(a->base, a->mapped);
+            }
         }
     }
     free(a);
+}
+
+/* Offsets of the categories and of the scratch region, and the bytes mapped in all. */
+static mfsdp_status_t offsets(const mfsdp_arena_sizes_t *sizes, size_t scratch_bytes,
+                              size_t cat_off[MFSDP_ARENA_NCAT], size_t *scratch_off_p,
+                              size_t *mapped_p)
+{
+    size_t off = 0;
+    for (int c = 0; c < MFSDP_ARENA_NCAT; c++) {
+        size_t aligned;
+        cat_off[c] = off;
+        if (align_up(sizes->cat[c], &aligned) || mfsdp_add_overflow(off, aligned, &off)) {
+            return MFSDP_ERR_OVERFLOW;
+        }
+    }
+    size_t scratch_aligned;
+    *scratch_off_p = off;
+    if (align_up(scratch_bytes, &scratch_aligned) ||
+        mfsdp_add_overflow(off, scratch_aligned, &off)) {
+        return MFSDP_ERR_OVERFLOW;
+    }
+    *mapped_p = off;
+    return MFSDP_OK;
+}
+
+mfsdp_status_t mfsdp_arena_cat_offset(const mfsdp_arena_sizes_t *sizes, mfsdp_arena_cat_t cat,
+                                      size_t *off_p)
+{
+    MFSDP_CHECK_ARG(sizes != NULL && off_p != NULL && (unsigned)cat < MFSDP_ARENA_NCAT);
+    size_t cat_off[MFSDP_ARENA_NCAT], scratch_off, mapped;
+    MFSDP_CHECK(offsets(sizes, 0, cat_off, &scratch_off, &mapped));
+    *off_p = cat_off[cat];
+    return MFSDP_OK;
 }
 
 mfsdp_status_t mfsdp_arena_create(const mfsdp_arena_sizes_t *sizes, size_t scratch_bytes,
@@ -225,6 +262,10 @@ mfsdp_status_t mfsdp_arena_create(const mfsdp_arena_sizes_t *sizes, size_t scrat
     }
     if (kind == MFSDP_ARENA_DEVICE && (opts->mem.alloc == NULL || opts->mem.free == NULL)) {
         MFSDP_WARN("a device arena needs an allocator (alloc and free callbacks)");
+        return MFSDP_ERR_INVALID_ARG;
+    }
+    if (opts != NULL && (opts->mem.alloc == NULL) != (opts->mem.free == NULL)) {
+        MFSDP_WARN("an arena allocator needs both alloc and free callbacks");
         return MFSDP_ERR_INVALID_ARG;
     }
     if (opts != NULL && (opts->mem.reg == NULL) != (opts->mem.dereg == NULL)) {
@@ -241,25 +282,17 @@ mfsdp_status_t mfsdp_arena_create(const mfsdp_arena_sizes_t *sizes, size_t scrat
         a->mem = opts->mem;
     }
     a->sizes = *sizes;
-    size_t off = 0;
     a->sizes.total = 0;
-    for (int c = 0; c < MFSDP_ARENA_NCAT; c++) {
-        size_t aligned;
-        a->cat_off[c] = off;
-        if (align_up(sizes->cat[c], &aligned) || mfsdp_add_overflow(off, aligned, &off) ||
-            mfsdp_add_overflow(a->sizes.total, sizes->cat[c], &a->sizes.total)) {
-            free(a);
-            return MFSDP_ERR_OVERFLOW;
-        }
+    size_t off = 0;
+    int overflow = offsets(sizes, scratch_bytes, a->cat_off, &a->scratch_off, &off) != MFSDP_OK;
+    for (int c = 0; c < MFSDP_ARENA_NCAT && !overflow; c++) {
+        overflow = mfsdp_add_overflow(a->sizes.total, sizes->cat[c], &a->sizes.total);
     }
-    size_t scratch_aligned;
-    a->scratch_off = off;
-    a->scratch_bytes = scratch_bytes;
-    if (align_up(scratch_bytes, &scratch_aligned) ||
-        mfsdp_add_overflow(off, scratch_aligned, &off)) {
+    if (overflow) {
         free(a);
         return MFSDP_ERR_OVERFLOW;
     }
+    a->scratch_bytes = scratch_bytes;
     a->mapped = off;
     if (off != 0 && kind == MFSDP_ARENA_DEVICE) {
         /* One allocation, never returned before destroy; the callee zeroes it. */
@@ -274,10 +307,21 @@ mfsdp_status_t mfsdp_arena_create(const mfsdp_arena_sizes_t *sizes, size_t scrat
         a->base = p;
     } else if (off != 0) {
         /* An anonymous mapping is page-aligned, zeroed and never returned to a caching
-         * allocator: the "pinned owner buffer" of docs/design.md, "Layers" (owner arenas). */
-        void *p = mmap(NULL, off, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+         * allocator: the "pinned owner buffer" of docs/design.md, "Layers" (owner arenas).
+         * The MPI backend brings a shared mapping of its own instead (same properties, so that
+         * ranks on its node can read the owners' weights from it). */
+        void *p = MAP_FAILED;
+        if (a->mem.alloc != NULL) {
+            if (a->mem.alloc(a->mem.arg, off, &p) != MFSDP_OK || p == NULL) {
+                p = MAP_FAILED; /* the callback logged why */
+            }
+        } else {
+            p = mmap(NULL, off, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (p == MAP_FAILED) {
+                MFSDP_WARN("cannot map the %zu-byte owner arena: %m", off);
+            }
+        }
         if (p == MAP_FAILED) {
-            MFSDP_WARN("cannot map the %zu-byte owner arena: %m", off);
             free(a);
             return MFSDP_ERR_NO_MEMORY;
         }

@@ -62,7 +62,10 @@ typedef enum mfsdp_arena_kind {
 /* Where an arena's memory comes from, and its registration with a communicator. */
 typedef struct mfsdp_arena_mem {
     void *arg; /* passed to every callback */
-    /* DEVICE: bytes of zeroed memory (bytes > 0) into *ptr_p; logs its own failure. */
+    /* DEVICE: bytes of zeroed memory (bytes > 0) into *ptr_p; logs its own failure.
+     * HOST (optional; NULL: an anonymous mapping): a zeroed, page-aligned mapping of bytes
+     * (the MPI backend's shared memory), NUMA-bound and page-locked here like the anonymous
+     * one. alloc and free come together. */
     mfsdp_status_t (*alloc)(void *arg, size_t bytes, void **ptr_p);
     void (*free)(void *arg, void *ptr);
     /* Optional, either kind: register the whole arena once after allocation (a handle for
@@ -100,6 +103,12 @@ mfsdp_arena_kind_t mfsdp_arena_kind(const mfsdp_arena_t *arena);
 /* 1 when the arena is registered with a communicator (mfsdp_arena_mem_t.reg). */
 int mfsdp_arena_registered(const mfsdp_arena_t *arena);
 int mfsdp_arena_numa_node(const mfsdp_arena_t *arena);
+
+/* Byte offset of category cat from the base of an arena of the given category sizes (as
+ * mfsdp_arena_layout() gives them for any rank): with the slot offsets of that rank's layout,
+ * where a tensor lies in another rank's arena. */
+mfsdp_status_t mfsdp_arena_cat_offset(const mfsdp_arena_sizes_t *sizes, mfsdp_arena_cat_t cat,
+                                      size_t *off_p);
 
 /* Name of a category ("master", "comm", ...). */
 const char *mfsdp_arena_cat_name(mfsdp_arena_cat_t cat);

@@ -89,6 +89,10 @@
     X(BOOL, MFSDP_MLOCK, mlock, "1", "",                                                           \
       "page-lock CPU owner arenas (falls back with a warning when RLIMIT_MEMLOCK forbids)")        \
     X(BOOL, MFSDP_NUMA_BIND, numa_bind, "1", "", "bind CPU owner arenas to the rank's NUMA node")  \
+    X(BOOL, MFSDP_SHM, shm, "1", "",                                                               \
+      "MPI transport: owner arenas in POSIX shared memory, so that a direct all-gather copies "    \
+      "the tensors of owners on the same node from their arenas instead of receiving messages "    \
+      "(falls back to messages, with a warning, when /dev/shm is too small); 0 = messages")        \
     X(BOOL, MFSDP_REPORT, report, "0", "",                                                         \
       "the shim prints one 'mfsdp report:' line per rank and communicator at exit (owner "         \
       "step time, call counts, arena memory)")                                                     \

@@ -204,6 +204,7 @@ mfsdp_status_t mfsdp_ctx_allgather(mfsdp_ctx_h ctx, size_t group, const void *se
         .tail_count = gs->tail_ag_bytes,
         .overlap = unpack_owned,
         .overlap_arg = &ua,
+        .peer_src = gst->peer_src,
     };
     MFSDP_CHECK(ctx->tp->ops->run(ctx->tp, &x));
 

@@ -612,6 +612,7 @@ void mfsdp_ctx_free(struct mfsdp_ctx *ctx)
             }
             free(gst->variants);
             free(gst->full);
+            free(gst->peer_src);
         }
     }
     free(ctx->groups);
@@ -634,6 +635,52 @@ void mfsdp_ctx_free(struct mfsdp_ctx *ctx)
         ctx->exec->ops->destroy(ctx->exec);
     }
     free(ctx);
+}
+
+mfsdp_status_t mfsdp_ctx_share_arenas(struct mfsdp_ctx *ctx, const char *const *peer)
+{
+    const size_t ng = ctx->manifest->ngroups;
+    const size_t ns = ctx->plan->nshards;
+    mfsdp_arena_slot_t *slots = calloc(ns + 1, sizeof(*slots));
+    const char **comm = calloc(ns + 1, sizeof(*comm)); /* per shard: its owner's comm copy */
+    mfsdp_status_t st = slots != NULL && comm != NULL ? MFSDP_OK : MFSDP_ERR_NO_MEMORY;
+    /* Where each node peer keeps its tensors: its arena layout, a pure function of the plan. */
+    for (int r = 0; st == MFSDP_OK && r < ctx->world; r++) {
+        if (peer[r] == NULL || r == ctx->rank) {
+            continue;
+        }
+        mfsdp_arena_sizes_t sizes;
+        size_t base;
+        st = mfsdp_arena_layout(ctx->plan, r, slots, &sizes);
+        if (st == MFSDP_OK) {
+            st = mfsdp_arena_cat_offset(&sizes, MFSDP_ARENA_COMM, &base);
+        }
+        for (size_t i = 0; st == MFSDP_OK && i < ns; i++) {
+            if (ctx->plan->shards[i].owner == r &&
+                slots[i].off[MFSDP_ARENA_COMM] != MFSDP_ARENA_NONE) {
+                comm[i] = peer[r] + base + slots[i].off[MFSDP_ARENA_COMM];
+            }
+        }
+    }
+    for (size_t g = 0; st == MFSDP_OK && g < ng; g++) {
+        mfsdp_group_state_t *gst = &ctx->groups[g];
+        if (gst->gather_algo != MFSDP_ALGO_DIRECT) {
+            continue;
+        }
+        gst->peer_src = calloc(gst->gs->nsegs + 1, sizeof(*gst->peer_src));
+        if (gst->peer_src == NULL) {
+            st = MFSDP_ERR_NO_MEMORY;
+            break;
+        }
+        for (size_t k = 0; k < gst->gs->nsegs; k++) {
+            const mfsdp_sched_seg_t *sg = &gst->gs->segs[k];
+            gst->peer_src[k] = sg->owner != ctx->rank ? comm[sg->shard] : NULL;
+        }
+        ctx->gather_shared = 1;
+    }
+    free(slots);
+    free(comm);
+    return st;
 }
 
 void mfsdp_ctx_destroy(mfsdp_ctx_h *ctx_p)
@@ -739,6 +786,7 @@ mfsdp_status_t mfsdp_ctx_get_stats(mfsdp_ctx_h ctx, mfsdp_ctx_stats_t *stats_p)
     s.staging_budget = ctx->budget;
     s.step_mode = ctx->mode;
     s.accum_steps = ctx->accum;
+    s.gather_shared = ctx->gather_shared;
     *stats_p = s;
     return MFSDP_OK;
 }

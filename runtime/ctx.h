@@ -47,6 +47,10 @@ typedef struct mfsdp_group_state {
     mfsdp_algo_t gather_algo; /* resolved for this group (an algorithm table picks per group) */
     mfsdp_algo_t reduce_algo;
     mfsdp_sched_ops_t tail_ops; /* its later passes (one TAIL op) */
+    /* direct gather from shared arenas (mfsdp_ctx_share_arenas): gs->nsegs entries, the
+     * owner's comm copy of each segment in this process, NULL where it is not mapped; NULL
+     * when the group's gathers use messages */
+    const char **peer_src;
 } mfsdp_group_state_t;
 
 struct mfsdp_ctx {
@@ -64,6 +68,7 @@ struct mfsdp_ctx {
     mfsdp_arena_kind_t arena_kind;
     mfsdp_arena_mem_t arena_mem;
     mfsdp_arena_t *arena;
+    int gather_shared;           /* some group's gathers read node peers' arenas */
     mfsdp_arena_slot_t *slots;   /* plan->nshards */
     mfsdp_group_state_t *groups; /* manifest->ngroups */
     /* resolved settings */
@@ -205,6 +210,10 @@ mfsdp_status_t mfsdp_ctx_init_local(struct mfsdp_ctx *ctx, const mfsdp_manifest_
  * agreement and the set-up) is MFSDP_ERR_MISMATCH on every rank instead of messages that
  * never match. Returns the agreed status. */
 mfsdp_status_t mfsdp_ctx_agree_setup(struct mfsdp_ctx *ctx, mfsdp_status_t st);
+/* The node peers' arenas are mapped in this process (peer: world entries, NULL where not;
+ * from the transport, identical in its on/off state on every rank): every group whose gathers
+ * run the direct algorithm reads the owners' comm copies from there (gst->peer_src). Local. */
+mfsdp_status_t mfsdp_ctx_share_arenas(struct mfsdp_ctx *ctx, const char *const *peer);
 /* Release what mfsdp_ctx_init_local() and the transport hold, and the context itself. */
 void mfsdp_ctx_free(struct mfsdp_ctx *ctx);
 

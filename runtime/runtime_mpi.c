@@ -3,6 +3,7 @@
 #include <stdlib.h>
 
 #include "core/checks.h"
+#include "core/config.h"
 #include "mfsdp/runtime_mpi.h"
 #include "runtime/ctx.h"
 #include "transport/mpi.h"
@@ -44,9 +45,29 @@ mfsdp_status_t mfsdp_ctx_create_mpi(const mfsdp_manifest_t *manifest, const mfsd
         mfsdp_ctx_free(ctx);
         return st;
     }
+    const mfsdp_config_t *cfg;
+    st = mfsdp_config_get(&cfg);
+    if (st != MFSDP_OK) {
+        mfsdp_ctx_free(ctx);
+        return st;
+    }
+    if (cfg->shm && world > 1) {
+        /* The arena in shared memory, so that the ranks of a node can read the owners'
+         * weights from it (docs/design.md, "Collectives on owners"). */
+        ctx->arena_mem.arg = ctx->tp;
+        ctx->arena_mem.alloc = mfsdp_transport_mpi_arena_alloc;
+        ctx->arena_mem.free = mfsdp_transport_mpi_arena_free;
+    }
     /* Agree on the outcome, so that a rank-local failure (memory) fails every rank instead
      * of leaving the others waiting in their first collective, and on what it resolved. */
     st = mfsdp_ctx_agree_setup(ctx, mfsdp_ctx_init_local(ctx, manifest, opts));
+    const char *const *peer = NULL;
+    if (st == MFSDP_OK) {
+        st = mfsdp_transport_mpi_share(ctx->tp, cfg->shm, &peer);
+    }
+    if (st == MFSDP_OK && peer != NULL) {
+        st = mfsdp_ctx_agree_setup(ctx, mfsdp_ctx_share_arenas(ctx, peer));
+    }
     if (st != MFSDP_OK) {
         mfsdp_ctx_free(ctx);
         return st;

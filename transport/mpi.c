@@ -11,16 +11,38 @@
  */
 #include "transport/mpi.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "core/checks.h"
+
+/* The owner arena in POSIX shared memory (mfsdp_transport_mpi_share): this rank's mapping and
+ * its name until the node's ranks have mapped it, and theirs. */
+typedef struct mpi_shm {
+    void *base; /* this rank's arena (mfsdp_transport_mpi_arena_alloc), NULL: none */
+    size_t bytes;
+    int shared;    /* 1: base is a shared mapping of object `name`; 0: anonymous (fallback) */
+    int linked;    /* 1: `name` still exists (unlinked once the node's ranks mapped it) */
+    char name[64]; /* "/mfsdp.<pid>.<n>" */
+    MPI_Comm node; /* the ranks sharing memory with this one, while sharing is on */
+    int on;        /* 1: node peers read this rank's arena and it reads theirs */
+    unsigned char *node_peer; /* world entries: 1 for the other ranks of `node` */
+    const char **peer;        /* world entries: a node peer's arena, mapped read-only */
+    size_t *peer_bytes;
+} mpi_shm_t;
 
 typedef struct mpi_transport {
     mfsdp_transport_t base;
     MPI_Comm comm;
+    mpi_shm_t shm;
 } mpi_transport_t;
 
 /* What one op list needs on every run, built on its first run and kept in the op list
@@ -277,6 +299,36 @@ static mfsdp_status_t post_into_fsdp(engine_t *e, long i, MPI_Request *req)
     return MFSDP_OK;
 }
 
+/* A direct gather op between two ranks of a node that share their arenas (x->peer_src):
+ * the receiver copies the run from the owner's arena into FSDP's output itself, the sender
+ * has nothing to do. 1: op i was such an op and is complete. */
+static mfsdp_status_t shm_gather_op(engine_t *e, long i, int *done_p)
+{
+    const mfsdp_xfer_t *x = e->x;
+    const mfsdp_sched_op_t *op = &x->ops->ops[i];
+    *done_p = 0;
+    if (x->peer_src == NULL || x->dir != MFSDP_SCHED_DIR_GATHER) {
+        return MFSDP_OK;
+    }
+    if (op->kind == MFSDP_SCHED_SEND && op->buf == MFSDP_BUF_SRC && e->t->shm.node_peer[op->peer]) {
+        *done_p = 1; /* the peer reads it from this rank's arena */
+        return MFSDP_OK;
+    }
+    const char *src = x->peer_src[op->seg];
+    if (op->kind != MFSDP_SCHED_RECV || src == NULL || x->bufs[op->seg].stage != NULL) {
+        return MFSDP_OK;
+    }
+    size_t run;
+    char *dst = mfsdp_xfer_ag_at(x, op->seg, op->off, &run);
+    if (dst == NULL || op->len > run) {
+        MFSDP_WARN("segment %u: op %ld crosses a rank block of the all-gather output", op->seg, i);
+        return MFSDP_ERR_INTERNAL;
+    }
+    MFSDP_CHECK(x->exec->ops->copy(x->exec, dst, src + op->boff, op->len));
+    *done_p = 1;
+    return MFSDP_OK;
+}
+
 /* Post op i (or run it, for a local op) and, for local ops, what waited for it. */
 static mfsdp_status_t post_now(engine_t *e, long i)
 {
@@ -287,6 +339,12 @@ static mfsdp_status_t post_now(engine_t *e, long i)
     MPI_Request *req = &e->c->reqs[i];
     size_t elt;
     char *p;
+    int done;
+
+    MFSDP_CHECK(shm_gather_op(e, i, &done));
+    if (done) {
+        return post_children(e, i);
+    }
 
     if (op->kind == MFSDP_SCHED_TAIL) {
         MFSDP_CHECK(post_tail(e, req));
@@ -362,10 +420,40 @@ static mfsdp_status_t post(engine_t *e, long i)
     return MFSDP_OK;
 }
 
+/* Bracket a gather that reads node peers' arenas: nobody reads before every owner's writes
+ * to its arena (the optimizer step, a load) are done and visible, and nobody writes again
+ * before every reader is done. */
+static mfsdp_status_t shm_fence(mpi_transport_t *t, const mfsdp_xfer_t *x)
+{
+    if (x->peer_src == NULL) {
+        return MFSDP_OK;
+    }
+    if (!t->shm.on) {
+        MFSDP_WARN("group %zu: a gather from shared arenas, but sharing is off", x->gs->group);
+        return MFSDP_ERR_INTERNAL;
+    }
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    MFSDP_MPI_CHECK(MPI_Barrier(t->shm.node));
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    return MFSDP_OK;
+}
+
+static mfsdp_status_t run_ops(mpi_transport_t *t, const mfsdp_xfer_t *x);
+
 static mfsdp_status_t mpi_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
 {
     mpi_transport_t *t = (mpi_transport_t *)tb;
     MFSDP_CHECK_ARG(x != NULL && x->ops != NULL && x->gs != NULL);
+    MFSDP_CHECK(shm_fence(t, x));
+    mfsdp_status_t st = run_ops(t, x);
+    /* Every rank of the node reaches the closing barrier, a failed one too (a failure of
+     * the ops is this rank's, logged; the others must not wait for it forever here). */
+    mfsdp_status_t st2 = shm_fence(t, x);
+    return st != MFSDP_OK ? st : st2;
+}
+
+static mfsdp_status_t run_ops(mpi_transport_t *t, const mfsdp_xfer_t *x)
+{
     size_t n = x->ops->nops;
     if (n == 0) {
         return x->overlap != NULL ? x->overlap(x->overlap_arg) : MFSDP_OK;
@@ -513,6 +601,206 @@ static mfsdp_status_t mpi_allgather_bytes(mfsdp_transport_t *tb, const void *min
     return MFSDP_OK;
 }
 
+/* ---------------------------------------------------------------------------------------
+ * Owner arenas in shared memory
+ */
+
+mfsdp_status_t mfsdp_transport_mpi_arena_alloc(void *arg, size_t bytes, void **ptr_p)
+{
+    mpi_transport_t *t = arg;
+    mpi_shm_t *m = &t->shm;
+    static unsigned seq; /* names of this process's arenas */
+    MFSDP_CHECK_ARG(t != NULL && ptr_p != NULL && bytes != 0 && m->base == NULL);
+    snprintf(m->name, sizeof(m->name), "/mfsdp.%ld.%u", (long)getpid(),
+             __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED));
+    void *p = MAP_FAILED;
+    const char *what = "shm_open";
+    int fd = shm_open(m->name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    int err = errno;
+    if (fd >= 0) {
+        m->linked = 1;
+        /* Reserve the pages now: tmpfs would otherwise fail a later first touch with SIGBUS
+         * when /dev/shm is full. */
+        what = "ftruncate";
+        err = ftruncate(fd, (off_t)bytes) == 0 ? 0 : errno;
+        if (err == 0) {
+            what = "posix_fallocate";
+            err = posix_fallocate(fd, 0, (off_t)bytes);
+        }
+        if (err == 0) {
+            what = "mmap";
+            p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            err = p == MAP_FAILED ? errno : 0;
+        }
+        close(fd);
+    }
+    if (p == MAP_FAILED) {
+        MFSDP_WARN("the %zu-byte owner arena cannot be put in shared memory (%s %s: %s): an "
+                   "anonymous mapping instead; all-gathers on this node use messages (a "
+                   "larger /dev/shm helps; MFSDP_SHM=0 silences this)",
+                   bytes, what, m->name, strerror(err));
+        if (m->linked) {
+            shm_unlink(m->name);
+            m->linked = 0;
+        }
+        p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) {
+            MFSDP_WARN("cannot map the %zu-byte owner arena: %m", bytes);
+            return MFSDP_ERR_NO_MEMORY;
+        }
+    } else {
+        m->shared = 1;
+    }
+    m->base = p;
+    m->bytes = bytes;
+    *ptr_p = p;
+    return MFSDP_OK;
+}
+
+void mfsdp_transport_mpi_arena_free(void *arg, void *ptr)
+{
+    mpi_transport_t *t = arg;
+    mpi_shm_t *m = &t->shm;
+    if (ptr == NULL || ptr != m->base) {
+        return;
+    }
+    munmap(m->base, m->bytes);
+    if (m->linked) {
+        shm_unlink(m->name);
+        m->linked = 0;
+    }
+    m->base = NULL;
+    m->shared = 0;
+}
+
+/* Unmap the peers' arenas and leave the node communicator: sharing off. */
+static void shm_stop(mpi_transport_t *t)
+{
+    mpi_shm_t *m = &t->shm;
+    int world = t->base.world;
+    for (int r = 0; m->peer != NULL && r < world; r++) {
+        if (m->peer[r] != NULL) {
+            munmap((void *)m->peer[r], m->peer_bytes[r]);
+        }
+    }
+    free(m->peer);
+    free(m->peer_bytes);
+    free(m->node_peer);
+    m->peer = NULL;
+    m->peer_bytes = NULL;
+    m->node_peer = NULL;
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized && m->node != MPI_COMM_NULL) {
+        MPI_Comm_free(&m->node);
+    }
+    m->node = MPI_COMM_NULL;
+    m->on = 0;
+}
+
+/* What a rank tells the ranks of its node about its arena. */
+typedef struct shm_card {
+    int64_t rank; /* in the transport's communicator */
+    int64_t shared;
+    uint64_t bytes;
+    char name[64];
+} shm_card_t;
+
+mfsdp_status_t mfsdp_transport_mpi_share(mfsdp_transport_t *tb, int want,
+                                         const char *const **peer_p)
+{
+    mpi_transport_t *t = (mpi_transport_t *)tb;
+    mpi_shm_t *m = &t->shm;
+    MFSDP_CHECK_ARG(t != NULL && peer_p != NULL && !m->on);
+    *peer_p = NULL;
+    const int world = t->base.world;
+    /* Every rank decides alike: on only where every rank wants it and has its arena shared
+     * (or no arena at all: it has nothing to serve and still reads). */
+    int mine = want && (m->shared || m->base == NULL) && world > 1, all = 0;
+    MFSDP_MPI_CHECK(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, t->comm));
+    if (!all) {
+        if (m->linked) {
+            shm_unlink(m->name);
+            m->linked = 0;
+        }
+        return MFSDP_OK;
+    }
+    MFSDP_MPI_CHECK(
+        MPI_Comm_split_type(t->comm, MPI_COMM_TYPE_SHARED, t->base.rank, MPI_INFO_NULL, &m->node));
+    int nn = 0;
+    MFSDP_MPI_CHECK(MPI_Comm_size(m->node, &nn));
+    shm_card_t card = {.rank = t->base.rank, .shared = m->shared, .bytes = m->bytes};
+    memcpy(card.name, m->name, sizeof(card.name));
+    shm_card_t *cards = calloc((size_t)nn, sizeof(*cards));
+    m->node_peer = calloc((size_t)world, 1);
+    m->peer = calloc((size_t)world, sizeof(*m->peer));
+    m->peer_bytes = calloc((size_t)world, sizeof(*m->peer_bytes));
+    int ok = cards != NULL && m->node_peer != NULL && m->peer != NULL && m->peer_bytes != NULL;
+    int rc = MPI_Allgather(&card, (int)sizeof(card), MPI_BYTE, cards, ok ? (int)sizeof(card) : 0,
+                           MPI_BYTE, m->node);
+    if (!ok || rc != MPI_SUCCESS) {
+        /* a collective with another count on one rank is an error: allocate before */
+        MFSDP_WARN("sharing owner arenas: %s", ok ? "MPI_Allgather failed" : "out of memory");
+        ok = 0;
+    }
+    for (int k = 0; ok && k < nn; k++) {
+        const shm_card_t *c = &cards[k];
+        int r = (int)c->rank;
+        if (r < 0 || r >= world) {
+            ok = 0;
+            break;
+        }
+        if (r == t->base.rank) {
+            continue;
+        }
+        m->node_peer[r] = 1;
+        if (!c->shared) {
+            continue; /* no arena: owns nothing, serves nothing */
+        }
+        char name[sizeof(c->name)];
+        memcpy(name, c->name, sizeof(name));
+        name[sizeof(name) - 1] = '\0';
+        int fd = shm_open(name, O_RDONLY, 0);
+        void *p = MAP_FAILED;
+        if (fd >= 0) {
+            p = mmap(NULL, (size_t)c->bytes, PROT_READ, MAP_SHARED, fd, 0);
+            close(fd);
+        }
+        if (p == MAP_FAILED) {
+            MFSDP_WARN("cannot map rank %d's owner arena %s (%zu bytes): %m; all-gathers use "
+                       "messages",
+                       r, name, (size_t)c->bytes);
+            ok = 0;
+            break;
+        }
+        m->peer[r] = p;
+        m->peer_bytes[r] = (size_t)c->bytes;
+    }
+    free(cards);
+    /* Every rank of the node mapped what it could: the names can go (the mappings stay, and
+     * nothing is left in /dev/shm if a rank dies later). */
+    int rc2 = MPI_Barrier(m->node);
+    if (m->linked) {
+        shm_unlink(m->name);
+        m->linked = 0;
+    }
+    int got = ok && rc2 == MPI_SUCCESS;
+    MFSDP_MPI_CHECK(MPI_Allreduce(&got, &all, 1, MPI_INT, MPI_MIN, t->comm));
+    if (!all) {
+        shm_stop(t);
+        return MFSDP_OK;
+    }
+    m->on = nn > 1;
+    if (!m->on) {
+        shm_stop(t);
+        return MFSDP_OK;
+    }
+    MFSDP_INFO(TRANSPORT, "rank %d: owner arenas shared with the %d other ranks of its node",
+               t->base.rank, nn - 1);
+    *peer_p = m->peer;
+    return MFSDP_OK;
+}
+
 static mfsdp_status_t mpi_set_stream(mfsdp_transport_t *tb, void *stream)
 {
     (void)tb;
@@ -525,6 +813,10 @@ static void mpi_destroy(mfsdp_transport_t *tb)
     mpi_transport_t *t = (mpi_transport_t *)tb;
     if (t == NULL) {
         return;
+    }
+    shm_stop(t);
+    if (t->shm.base != NULL) { /* the arena outlived its context: not the runtime's order */
+        mfsdp_transport_mpi_arena_free(t, t->shm.base);
     }
     int finalized = 0;
     MPI_Finalized(&finalized);
@@ -554,6 +846,7 @@ mfsdp_status_t mfsdp_transport_mpi_create(MPI_Comm comm, mfsdp_transport_t **t_p
         return MFSDP_ERR_NO_MEMORY;
     }
     t->comm = MPI_COMM_NULL;
+    t->shm.node = MPI_COMM_NULL;
     int rc = MPI_Comm_dup(comm, &t->comm);
     if (rc != MPI_SUCCESS) {
         MFSDP_WARN("MPI_Comm_dup failed (mpi error %d)", rc);

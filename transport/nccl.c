@@ -555,7 +555,8 @@ static mfsdp_status_t nccl_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
 {
     nccl_transport_t *t = (nccl_transport_t *)tb;
     MFSDP_CHECK_ARG(x != NULL && x->ops != NULL && x->gs != NULL && x->exec != NULL);
-    if (x->overlap != NULL) { /* enqueued on the stream before the waves */
+    MFSDP_CHECK_ARG(x->peer_src == NULL); /* shared host arenas are the MPI transport's */
+    if (x->overlap != NULL) {             /* enqueued on the stream before the waves */
         MFSDP_CHECK(x->overlap(x->overlap_arg));
     }
     size_t n = x->ops->nops;

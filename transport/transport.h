@@ -68,6 +68,10 @@ typedef struct mfsdp_xfer {
      * NCCL transport before its first wave. NULL: none. */
     mfsdp_status_t (*overlap)(void *arg);
     void *overlap_arg;
+    /* gather, direct, MPI transport with shared arenas (mfsdp_transport_mpi_share), on every
+     * rank alike or on none: gs->nsegs entries, the owner's comm copy of each segment mapped in
+     * this process, NULL where the owner is not a node peer (or is this rank). NULL: none. */
+    const char *const *peer_src;
 } mfsdp_xfer_t;
 
 /* One point-to-point transfer of a batch (all posted at once, one completion). */

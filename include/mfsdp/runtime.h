@@ -129,6 +129,8 @@ typedef struct mfsdp_ctx_stats {
     int accum_steps;             /**< resolved micro-steps per step */
     size_t comm_staging_bytes;   /**< communication staging: the largest group call's need */
     size_t staging_budget;       /**< MFSDP_STAGING_BYTES (or the option) it is held to */
+    int gather_shared; /**< 1: direct all-gathers copy the tensors of owners on this rank's node
+                            from their arenas in shared memory (MPI, MFSDP_SHM) */
 } mfsdp_ctx_stats_t;
 
 /**
