@@ -60,6 +60,7 @@
  * PMPI wrappers: count MPI calls while g_counting is set.
  */
 static int g_counting;
+static int g_shm_expect;      /* direct gathers read the owners' arenas (MPI, MFSDP_SHM) */
 static int g_calls_total;     /* calls that start communication (waits excluded) */
 static int g_calls_allreduce; /* MPI_Allreduce calls */
 static int g_calls_wait;      /* MPI_Wait* calls: their number depends on timing */
@@ -589,6 +590,12 @@ static void test_allgather(uint64_t seed)
                 continue;
             }
             char what[96];
+            mfsdp_ctx_stats_t st;
+            CHECK_OK(mfsdp_ctx_get_stats(ctx, &st));
+            int shared = algos[a] == MFSDP_ALGO_DIRECT && g_shm_expect;
+            CHECK(st.gather_shared == shared,
+                  "seed %llu gather %s: gathers from shared arenas %d, expected %d",
+                  (unsigned long long)seed, mfsdp_algo_name(algos[a]), st.gather_shared, shared);
             for (int rep = 0; rep < 2; rep++) {
                 for (size_t g = 0; g < m->ngroups; g++) {
                     snprintf(what, sizeof(what), "seed %llu tail %s gather %s rep %d",
@@ -2165,6 +2172,13 @@ int main(int argc, char **argv)
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &g_world);
     setenv("MFSDP_MLOCK", "0", 0);
+#ifndef TEST_TRANSPORT_NCCL
+    /* Direct gathers read the owners' arenas on this node unless MFSDP_SHM=0 or the test
+     * says the arenas cannot be shared (TEST_SHM_EXPECT=0: a /dev/shm too small for them). */
+    const char *shm = getenv("MFSDP_SHM"), *expect = getenv("TEST_SHM_EXPECT");
+    g_shm_expect = g_world > 1 && (shm == NULL || strcmp(shm, "0") != 0) &&
+                   (expect == NULL || strcmp(expect, "0") != 0);
+#endif
     setenv("MFSDP_GATHER_ALGO", "chain", 1);
     setenv("MFSDP_REDUCE_ALGO", "native", 1);
     const char *mode = argc > 1 && (argv[1][0] < '0' || argv[1][0] > '9') ? argv[1] : "";
