@@ -1246,7 +1246,7 @@ static void coll_teardown(coll_case_t *c)
 
 static void coll_print(const coll_state_t *st, const perf_opts_t *o, const coll_case_t *c,
                        const char *sys, const double *t, const long *wrong, int nvar,
-                       const double *ratio, size_t staging, size_t peak)
+                       const double *ratio, size_t staging, size_t peak, int shared)
 {
     const double n = (double)g_world;
     const double size = (double)(c->S * (size_t)g_world);
@@ -1273,7 +1273,8 @@ static void coll_print(const coll_state_t *st, const perf_opts_t *o, const coll_
             if (nvar > 1) {
                 printf(",\"ip_ratio\":%.4f", ratio[1]);
             }
-            printf(",\"staging_bytes\":%zu,\"peak_bytes\":%zu", staging, peak);
+            printf(",\"staging_bytes\":%zu,\"peak_bytes\":%zu,\"shared\":%d", staging, peak,
+                   shared);
         }
         printf("}\n");
     } else {
@@ -1437,6 +1438,13 @@ static int coll_run_all(const perf_opts_t *o, void *state)
                 "(largest group call; MFSDP_STAGING_BYTES budget %zu), peak = all its bytes "
                 "(max over ranks)\n",
                 budget);
+        if (!st->reduce) {
+            fprintf(hdr, "# direct all-gather: %s (MFSDP_SHM=%d; JSON: \"shared\" per row)\n",
+                    cfg != NULL && cfg->shm
+                        ? "copies the owners' tensors from their arenas in shared memory"
+                        : "receives the owners' tensors as messages",
+                    cfg != NULL ? cfg->shm : 0);
+        }
         if (!o->json) {
             printf("#%11s %12s %8s %5s %4s %-13s %10s %7s %7s %6s %10s %7s %7s %6s %6s %6s %11s "
                    "%11s\n",
@@ -1506,18 +1514,20 @@ static int coll_run_all(const perf_opts_t *o, void *state)
                 mfsdp_ctx_stats_t s;
                 memset(&s, 0, sizeof(s));
                 mfsdp_ctx_get_stats(c.ctx, &s);
-                unsigned long long mine[2] = {s.comm_staging_bytes, s.peak_bytes}, mx[2];
-                MPI_Allreduce(mine, mx, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, MPI_COMM_WORLD);
+                unsigned long long mine[3] = {s.comm_staging_bytes, s.peak_bytes,
+                                              (unsigned long long)s.gather_shared},
+                                   mx[3];
+                MPI_Allreduce(mine, mx, 3, MPI_UNSIGNED_LONG_LONG, MPI_MAX, MPI_COMM_WORLD);
                 if (g_rank == 0) {
                     char sys[32];
-                    coll_print(st, o, &c, "native", med, wrong, 2, NULL, 0, 0);
+                    coll_print(st, o, &c, "native", med, wrong, 2, NULL, 0, 0, 0);
                     snprintf(sys, sizeof(sys), "mfsdp-%s", mfsdp_algo_name(s.gather_algo));
                     if (st->reduce) {
                         snprintf(sys, sizeof(sys), "mfsdp-%s", mfsdp_algo_name(s.reduce_algo));
                     }
                     const double ratio[2] = {med[0] / med[2], nops > 3 ? med[1] / med[3] : 0.0};
                     coll_print(st, o, &c, sys, med + 2, wrong + 2, nops - 2, ratio, (size_t)mx[0],
-                               (size_t)mx[1]);
+                               (size_t)mx[1], !st->reduce && mx[2] != 0);
                 }
                 for (int op = 0; op < nops; op++) {
                     if (wrong[op] != 0) {
