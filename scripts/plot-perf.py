@@ -130,11 +130,13 @@ def gnuplot(script):
 def plot_busbw(rows, out):
     # (ranks, subcommand, system) -> size -> busbw samples. A native row is printed next to
     # every mfsdp algorithm's (measured interleaved with it): its median is plotted.
+    # A direct all-gather that copied from shared arenas ("shared": 1) is a system of its own.
     data = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        data[(r["ranks"], r["subcommand"], r["system"])][r["size"]].append(r["busbw"])
+        system = r["system"] + ("+shm" if r.get("shared") else "")
+        data[(r["ranks"], r["subcommand"], system)][r["size"]].append(r["busbw"])
         if "ip_busbw" in r:  # the all-gather's in-place column: a panel of its own
-            data[(r["ranks"], r["subcommand"] + "-ip", r["system"])][r["size"]].append(
+            data[(r["ranks"], r["subcommand"] + "-ip", system)][r["size"]].append(
                 r["ip_busbw"])
     written = []
     for n in sorted({k[0] for k in data}):
@@ -163,9 +165,10 @@ def plot_busbw(rows, out):
                     f.write("# size_bytes busbw_GBps\n")
                     for size, v in sorted(data[(n, sub, sysname)].items()):
                         f.write(f"{size:.0f} {median(v):.6g}\n")
-                color = COLORS.get(sysname, "#e7298a")
+                color = COLORS.get(sysname.split("+")[0], "#e7298a")
                 style = "lw 3 dt 2 pt 6" if sysname == "native" else "lw 2 pt 7"
-                label = "native MPI" if sysname == "native" else sysname
+                label = ("native MPI" if sysname == "native"
+                         else sysname.replace("+shm", " (shared arenas)"))
                 plots.append(f"'{dat}' using 1:2 with linespoints {style} lc rgb '{color}' "
                              f"title '{label}'")
             s += "plot " + ", \\\n     ".join(plots) + "\n"
