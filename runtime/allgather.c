@@ -62,6 +62,7 @@ static mfsdp_status_t unpack_owned(void *arg)
  * are gathered onto their owners (one point-to-point batch), sharded-tail slices are kept. */
 static mfsdp_status_t take_initial_weights(struct mfsdp_ctx *ctx, size_t g, const char *send)
 {
+    MFSDP_CHECK(mfsdp_ctx_comm_write(ctx));
     const mfsdp_group_sched_t *gs = ctx->groups[g].gs;
     const mfsdp_buffer_layout_t *ag = &gs->layout->ag;
     const mfsdp_group_desc_t *gd = &ctx->manifest->groups[g];

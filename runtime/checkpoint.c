@@ -956,6 +956,7 @@ static void reset_ctx(struct mfsdp_ctx *ctx)
 
 static mfsdp_status_t load_ckpt_local(struct mfsdp_ctx *ctx, mfsdp_ckpt_reader_t *r)
 {
+    MFSDP_CHECK(mfsdp_ctx_comm_write(ctx));
     const mfsdp_ckpt_layout_t *lay = r->index->layout;
     for (size_t i = 0; i < ctx->plan->nshards; i++) {
         if (ctx->slots[i].elems == 0) {
@@ -991,6 +992,7 @@ static mfsdp_status_t load_ckpt_local(struct mfsdp_ctx *ctx, mfsdp_ckpt_reader_t
 
 static mfsdp_status_t load_full_local(struct mfsdp_ctx *ctx, mfsdp_st_file_t *f)
 {
+    MFSDP_CHECK(mfsdp_ctx_comm_write(ctx));
     for (size_t i = 0; i < ctx->plan->nshards; i++) {
         if (ctx->slots[i].elems == 0) {
             continue;

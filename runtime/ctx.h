@@ -214,6 +214,16 @@ mfsdp_status_t mfsdp_ctx_agree_setup(struct mfsdp_ctx *ctx, mfsdp_status_t st);
  * from the transport, identical in its on/off state on every rank): every group whose gathers
  * run the direct algorithm reads the owners' comm copies from there (gst->peer_src). Local. */
 mfsdp_status_t mfsdp_ctx_share_arenas(struct mfsdp_ctx *ctx, const char *const *peer);
+/* Before this rank writes the comm copies of its owned tensors (every writer: the step, the
+ * initial or reloaded weights, a checkpoint load): wait until no node peer still copies
+ * from them (transport quiesce). Not collective. */
+static inline mfsdp_status_t mfsdp_ctx_comm_write(struct mfsdp_ctx *ctx)
+{
+    if (!ctx->gather_shared || ctx->tp->ops->quiesce == NULL) {
+        return MFSDP_OK;
+    }
+    return ctx->tp->ops->quiesce(ctx->tp);
+}
 /* Release what mfsdp_ctx_init_local() and the transport hold, and the context itself. */
 void mfsdp_ctx_free(struct mfsdp_ctx *ctx);
 

@@ -77,6 +77,7 @@ static mfsdp_status_t step_group_run(struct mfsdp_ctx *ctx, size_t g, int64_t jo
                    gd->name);
         return MFSDP_ERR_STATE;
     }
+    MFSDP_CHECK(mfsdp_ctx_comm_write(ctx)); /* the step rewrites the owned comm copies */
     /* The schedule's factor at the job's step (in a round of steps, the round's; an eager step,
      * this group's own count), or the job's own factor (the companion). */
     job_t = job_t >= 0 ? job_t : gst->nsteps;

@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,19 +25,39 @@
 
 #include "core/checks.h"
 
+/* The control block after each shared arena (its own page): how far the rank got in the
+ * context's gathers from shared arenas. An owner publishes `arrived` = k once everything it
+ * wrote to its comm copies before its k-th such gather is written (release); a reader copies
+ * from owner o in gather k once o's `arrived` >= k (acquire), then publishes `done` = k. An
+ * owner about to write its comm copies again (its step, new weights, a load) waits until
+ * every node peer's `done` reached its own count of such gathers (mfsdp_transport_ops_t
+ * .quiesce). No barrier: a rank waits only for the owners it reads and, when it writes, for
+ * the readers still copying. */
+typedef struct shm_ctrl {
+    uint64_t arrived;
+    char pad0[56];
+    uint64_t done;
+    char pad1[56];
+} shm_ctrl_t;
+
 /* The owner arena in POSIX shared memory (mfsdp_transport_mpi_share): this rank's mapping and
  * its name until the node's ranks have mapped it, and theirs. */
 typedef struct mpi_shm {
-    void *base; /* this rank's arena (mfsdp_transport_mpi_arena_alloc), NULL: none */
-    size_t bytes;
-    int shared;    /* 1: base is a shared mapping of object `name`; 0: anonymous (fallback) */
-    int linked;    /* 1: `name` still exists (unlinked once the node's ranks mapped it) */
-    char name[64]; /* "/mfsdp.<pid>.<n>" */
-    MPI_Comm node; /* the ranks sharing memory with this one, while sharing is on */
-    int on;        /* 1: node peers read this rank's arena and it reads theirs */
-    unsigned char *node_peer; /* world entries: 1 for the other ranks of `node` */
-    const char **peer;        /* world entries: a node peer's arena, mapped read-only */
-    size_t *peer_bytes;
+    void *map;        /* this rank's mapping: its arena (if any), then the control block */
+    void *base;       /* this rank's arena (mfsdp_transport_mpi_arena_alloc), NULL: none */
+    size_t bytes;     /* of the arena */
+    size_t mapped;    /* of the mapping: the arena, then the control block's page */
+    shm_ctrl_t *ctrl; /* this rank's, in its mapping */
+    uint64_t seq;     /* gathers from shared arenas this rank entered */
+    int shared;       /* 1: base is a shared mapping of object `name`; 0: anonymous (fallback) */
+    int linked;       /* 1: `name` still exists (unlinked once the node's ranks mapped it) */
+    char name[64];    /* "/mfsdp.<pid>.<n>" */
+    MPI_Comm node;    /* the ranks sharing memory with this one, while sharing is on */
+    int on;           /* 1: node peers read this rank's arena and it reads theirs */
+    unsigned char *node_peer;     /* world entries: 1 for the other ranks of `node` */
+    const char **peer;            /* world entries: a node peer's arena, mapped read-only */
+    size_t *peer_bytes;           /* ... the mapping's bytes */
+    const shm_ctrl_t **peer_ctrl; /* ... its control block */
 } mpi_shm_t;
 
 typedef struct mpi_transport {
@@ -420,21 +441,46 @@ static mfsdp_status_t post(engine_t *e, long i)
     return MFSDP_OK;
 }
 
-/* Bracket a gather that reads node peers' arenas: nobody reads before every owner's writes
- * to its arena (the optimizer step, a load) are done and visible, and nobody writes again
- * before every reader is done. */
-static mfsdp_status_t shm_fence(mpi_transport_t *t, const mfsdp_xfer_t *x)
+/* Wait until *v >= want (another process's counter): spin briefly, then yield the core
+ * (ranks may outnumber cores). */
+static void wait_counter(const uint64_t *v, uint64_t want)
 {
-    if (x->peer_src == NULL) {
-        return MFSDP_OK;
+    for (unsigned spin = 0; __atomic_load_n(v, __ATOMIC_ACQUIRE) < want; spin++) {
+        if (spin >= 256) {
+            sched_yield();
+        }
     }
-    if (!t->shm.on) {
+}
+
+/* Enter a gather from shared arenas: publish the arrival, then wait for the owners this rank
+ * copies from to have arrived too (their writes before it are then visible). */
+static mfsdp_status_t shm_enter(mpi_transport_t *t, const mfsdp_xfer_t *x)
+{
+    mpi_shm_t *m = &t->shm;
+    if (!m->on) {
         MFSDP_WARN("group %zu: a gather from shared arenas, but sharing is off", x->gs->group);
         return MFSDP_ERR_INTERNAL;
     }
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    MFSDP_MPI_CHECK(MPI_Barrier(t->shm.node));
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    uint64_t k = ++m->seq;
+    __atomic_store_n(&m->ctrl->arrived, k, __ATOMIC_RELEASE);
+    for (size_t i = 0; i < x->gs->nsegs; i++) {
+        int o = x->gs->segs[i].owner;
+        if (x->peer_src[i] != NULL) {
+            wait_counter(&m->peer_ctrl[o]->arrived, k);
+        }
+    }
+    return MFSDP_OK;
+}
+
+static mfsdp_status_t mpi_quiesce(mfsdp_transport_t *tb)
+{
+    mpi_transport_t *t = (mpi_transport_t *)tb;
+    mpi_shm_t *m = &t->shm;
+    for (int r = 0; m->on && r < t->base.world; r++) {
+        if (m->node_peer[r]) {
+            wait_counter(&m->peer_ctrl[r]->done, m->seq);
+        }
+    }
     return MFSDP_OK;
 }
 
@@ -444,12 +490,15 @@ static mfsdp_status_t mpi_run(mfsdp_transport_t *tb, const mfsdp_xfer_t *x)
 {
     mpi_transport_t *t = (mpi_transport_t *)tb;
     MFSDP_CHECK_ARG(x != NULL && x->ops != NULL && x->gs != NULL);
-    MFSDP_CHECK(shm_fence(t, x));
+    if (x->peer_src == NULL) {
+        return run_ops(t, x);
+    }
+    MFSDP_CHECK(shm_enter(t, x));
     mfsdp_status_t st = run_ops(t, x);
-    /* Every rank of the node reaches the closing barrier, a failed one too (a failure of
-     * the ops is this rank's, logged; the others must not wait for it forever here). */
-    mfsdp_status_t st2 = shm_fence(t, x);
-    return st != MFSDP_OK ? st : st2;
+    /* Published even after a failure (this rank's, logged): a writer must not wait forever
+     * for copies that will not happen. */
+    __atomic_store_n(&t->shm.ctrl->done, t->shm.seq, __ATOMIC_RELEASE);
+    return st;
 }
 
 static mfsdp_status_t run_ops(mpi_transport_t *t, const mfsdp_xfer_t *x)
@@ -605,72 +654,118 @@ static mfsdp_status_t mpi_allgather_bytes(mfsdp_transport_t *tb, const void *min
  * Owner arenas in shared memory
  */
 
+/* Where an arena of bytes ends and its control block's page starts. */
+static mfsdp_status_t ctrl_offset(size_t bytes, size_t *off_p)
+{
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    if (mfsdp_add_overflow(bytes, page - 1, off_p)) {
+        return MFSDP_ERR_OVERFLOW;
+    }
+    *off_p &= ~(page - 1);
+    return MFSDP_OK;
+}
+
+/* This rank's shared-memory object: bytes of arena (0: none, the control block only), then
+ * the control block's page; mapped read-write at *p_p. 0: done; an errno value on failure with
+ * *what naming the call (nothing left behind). */
+static int shm_create(mpi_shm_t *m, size_t bytes, size_t *mapped_p, void **p_p, const char **what)
+{
+    static unsigned seq; /* names of this process's objects */
+    size_t mapped;
+    *what = "size";
+    if (ctrl_offset(bytes, &mapped) != MFSDP_OK ||
+        mfsdp_add_overflow(mapped, (size_t)sysconf(_SC_PAGESIZE), &mapped)) {
+        return EOVERFLOW;
+    }
+    snprintf(m->name, sizeof(m->name), "/mfsdp.%ld.%u", (long)getpid(),
+             __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED));
+    *what = "shm_open";
+    int fd = shm_open(m->name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) {
+        return errno;
+    }
+    /* Reserve the pages now: tmpfs would otherwise fail a later first touch with SIGBUS when
+     * /dev/shm is full. */
+    *what = "ftruncate";
+    int err = ftruncate(fd, (off_t)mapped) == 0 ? 0 : errno;
+    if (err == 0) {
+        *what = "posix_fallocate";
+        err = posix_fallocate(fd, 0, (off_t)mapped);
+    }
+    void *p = MAP_FAILED;
+    if (err == 0) {
+        *what = "mmap";
+        p = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        err = p == MAP_FAILED ? errno : 0;
+    }
+    close(fd);
+    if (err != 0) {
+        shm_unlink(m->name);
+        return err;
+    }
+    m->linked = 1;
+    m->shared = 1;
+    size_t off;
+    (void)ctrl_offset(bytes, &off);
+    m->ctrl = (shm_ctrl_t *)((char *)p + off); /* zeroed: nothing arrived, nothing done */
+    *mapped_p = mapped;
+    *p_p = p;
+    return 0;
+}
+
 mfsdp_status_t mfsdp_transport_mpi_arena_alloc(void *arg, size_t bytes, void **ptr_p)
 {
     mpi_transport_t *t = arg;
     mpi_shm_t *m = &t->shm;
-    static unsigned seq; /* names of this process's arenas */
-    MFSDP_CHECK_ARG(t != NULL && ptr_p != NULL && bytes != 0 && m->base == NULL);
-    snprintf(m->name, sizeof(m->name), "/mfsdp.%ld.%u", (long)getpid(),
-             __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED));
+    MFSDP_CHECK_ARG(t != NULL && ptr_p != NULL && bytes != 0 && m->map == NULL);
+    const char *what;
+    size_t mapped = bytes;
     void *p = MAP_FAILED;
-    const char *what = "shm_open";
-    int fd = shm_open(m->name, O_RDWR | O_CREAT | O_EXCL, 0600);
-    int err = errno;
-    if (fd >= 0) {
-        m->linked = 1;
-        /* Reserve the pages now: tmpfs would otherwise fail a later first touch with SIGBUS
-         * when /dev/shm is full. */
-        what = "ftruncate";
-        err = ftruncate(fd, (off_t)bytes) == 0 ? 0 : errno;
-        if (err == 0) {
-            what = "posix_fallocate";
-            err = posix_fallocate(fd, 0, (off_t)bytes);
-        }
-        if (err == 0) {
-            what = "mmap";
-            p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-            err = p == MAP_FAILED ? errno : 0;
-        }
-        close(fd);
-    }
-    if (p == MAP_FAILED) {
+    int err = shm_create(m, bytes, &mapped, &p, &what);
+    if (err != 0) {
         MFSDP_WARN("the %zu-byte owner arena cannot be put in shared memory (%s %s: %s): an "
                    "anonymous mapping instead; all-gathers on this node use messages (a "
                    "larger /dev/shm helps; MFSDP_SHM=0 silences this)",
                    bytes, what, m->name, strerror(err));
-        if (m->linked) {
-            shm_unlink(m->name);
-            m->linked = 0;
-        }
+        mapped = bytes;
         p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) {
             MFSDP_WARN("cannot map the %zu-byte owner arena: %m", bytes);
             return MFSDP_ERR_NO_MEMORY;
         }
-    } else {
-        m->shared = 1;
     }
+    m->map = p;
     m->base = p;
     m->bytes = bytes;
+    m->mapped = mapped;
     *ptr_p = p;
     return MFSDP_OK;
+}
+
+/* Unmap this rank's object (arena and control block), removing its name if still there. */
+static void shm_unmap_own(mpi_shm_t *m)
+{
+    if (m->map != NULL) {
+        munmap(m->map, m->mapped);
+    }
+    if (m->linked) {
+        shm_unlink(m->name);
+        m->linked = 0;
+    }
+    m->map = NULL;
+    m->base = NULL;
+    m->ctrl = NULL;
+    m->shared = 0;
+    m->bytes = 0;
+    m->mapped = 0;
 }
 
 void mfsdp_transport_mpi_arena_free(void *arg, void *ptr)
 {
     mpi_transport_t *t = arg;
-    mpi_shm_t *m = &t->shm;
-    if (ptr == NULL || ptr != m->base) {
-        return;
+    if (t != NULL && ptr != NULL && ptr == t->shm.base) {
+        shm_unmap_own(&t->shm);
     }
-    munmap(m->base, m->bytes);
-    if (m->linked) {
-        shm_unlink(m->name);
-        m->linked = 0;
-    }
-    m->base = NULL;
-    m->shared = 0;
 }
 
 /* Unmap the peers' arenas and leave the node communicator: sharing off. */
@@ -685,9 +780,11 @@ static void shm_stop(mpi_transport_t *t)
     }
     free(m->peer);
     free(m->peer_bytes);
+    free(m->peer_ctrl);
     free(m->node_peer);
     m->peer = NULL;
     m->peer_bytes = NULL;
+    m->peer_ctrl = NULL;
     m->node_peer = NULL;
     int finalized = 0;
     MPI_Finalized(&finalized);
@@ -702,7 +799,8 @@ static void shm_stop(mpi_transport_t *t)
 typedef struct shm_card {
     int64_t rank; /* in the transport's communicator */
     int64_t shared;
-    uint64_t bytes;
+    uint64_t bytes;  /* the arena's */
+    uint64_t mapped; /* the object's: the arena, then the control block's page */
     char name[64];
 } shm_card_t;
 
@@ -714,9 +812,20 @@ mfsdp_status_t mfsdp_transport_mpi_share(mfsdp_transport_t *tb, int want,
     MFSDP_CHECK_ARG(t != NULL && peer_p != NULL && !m->on);
     *peer_p = NULL;
     const int world = t->base.world;
-    /* Every rank decides alike: on only where every rank wants it and has its arena shared
-     * (or no arena at all: it has nothing to serve and still reads). */
-    int mine = want && (m->shared || m->base == NULL) && world > 1, all = 0;
+    /* Every rank decides alike: on only where every rank wants it and has its arena (and the
+     * control block after it) shared. */
+    if (want && world > 1 && m->map == NULL) {
+        /* No arena (it owns nothing, stages nothing): a control block alone, so that it can
+         * count its gathers like every rank. */
+        const char *what;
+        int err = shm_create(m, 0, &m->mapped, &m->map, &what);
+        if (err != 0) {
+            MFSDP_WARN("the owner arenas' control block cannot be put in shared memory (%s %s: "
+                       "%s); all-gathers on this node use messages",
+                       what, m->name, strerror(err));
+        }
+    }
+    int mine = want && m->shared && world > 1, all = 0;
     MFSDP_MPI_CHECK(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, t->comm));
     if (!all) {
         if (m->linked) {
@@ -729,13 +838,16 @@ mfsdp_status_t mfsdp_transport_mpi_share(mfsdp_transport_t *tb, int want,
         MPI_Comm_split_type(t->comm, MPI_COMM_TYPE_SHARED, t->base.rank, MPI_INFO_NULL, &m->node));
     int nn = 0;
     MFSDP_MPI_CHECK(MPI_Comm_size(m->node, &nn));
-    shm_card_t card = {.rank = t->base.rank, .shared = m->shared, .bytes = m->bytes};
+    shm_card_t card = {
+        .rank = t->base.rank, .shared = m->shared, .bytes = m->bytes, .mapped = m->mapped};
     memcpy(card.name, m->name, sizeof(card.name));
     shm_card_t *cards = calloc((size_t)nn, sizeof(*cards));
     m->node_peer = calloc((size_t)world, 1);
     m->peer = calloc((size_t)world, sizeof(*m->peer));
     m->peer_bytes = calloc((size_t)world, sizeof(*m->peer_bytes));
-    int ok = cards != NULL && m->node_peer != NULL && m->peer != NULL && m->peer_bytes != NULL;
+    m->peer_ctrl = calloc((size_t)world, sizeof(*m->peer_ctrl));
+    int ok = cards != NULL && m->node_peer != NULL && m->peer != NULL && m->peer_bytes != NULL &&
+             m->peer_ctrl != NULL;
     int rc = MPI_Allgather(&card, (int)sizeof(card), MPI_BYTE, cards, ok ? (int)sizeof(card) : 0,
                            MPI_BYTE, m->node);
     if (!ok || rc != MPI_SUCCESS) {
@@ -754,8 +866,14 @@ mfsdp_status_t mfsdp_transport_mpi_share(mfsdp_transport_t *tb, int want,
             continue;
         }
         m->node_peer[r] = 1;
-        if (!c->shared) {
-            continue; /* no arena: owns nothing, serves nothing */
+        size_t off = 0;
+        if (!c->shared || ctrl_offset((size_t)c->bytes, &off) != MFSDP_OK ||
+            off + sizeof(shm_ctrl_t) > (size_t)c->mapped) {
+            /* Every rank of the node must count its gathers in a control block: a rank
+             * without an arena (it owns nothing) has none to count in. */
+            MFSDP_WARN("rank %d has no shared owner arena; all-gathers use messages", r);
+            ok = 0;
+            break;
         }
         char name[sizeof(c->name)];
         memcpy(name, c->name, sizeof(name));
@@ -763,18 +881,19 @@ mfsdp_status_t mfsdp_transport_mpi_share(mfsdp_transport_t *tb, int want,
         int fd = shm_open(name, O_RDONLY, 0);
         void *p = MAP_FAILED;
         if (fd >= 0) {
-            p = mmap(NULL, (size_t)c->bytes, PROT_READ, MAP_SHARED, fd, 0);
+            p = mmap(NULL, (size_t)c->mapped, PROT_READ, MAP_SHARED, fd, 0);
             close(fd);
         }
         if (p == MAP_FAILED) {
             MFSDP_WARN("cannot map rank %d's owner arena %s (%zu bytes): %m; all-gathers use "
                        "messages",
-                       r, name, (size_t)c->bytes);
+                       r, name, (size_t)c->mapped);
             ok = 0;
             break;
         }
         m->peer[r] = p;
-        m->peer_bytes[r] = (size_t)c->bytes;
+        m->peer_bytes[r] = (size_t)c->mapped;
+        m->peer_ctrl[r] = (const shm_ctrl_t *)((const char *)p + off);
     }
     free(cards);
     /* Every rank of the node mapped what it could: the names can go (the mappings stay, and
@@ -815,9 +934,7 @@ static void mpi_destroy(mfsdp_transport_t *tb)
         return;
     }
     shm_stop(t);
-    if (t->shm.base != NULL) { /* the arena outlived its context: not the runtime's order */
-        mfsdp_transport_mpi_arena_free(t, t->shm.base);
-    }
+    shm_unmap_own(&t->shm); /* a control block alone, or an arena that outlived its context */
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized && t->comm != MPI_COMM_NULL) {
@@ -835,6 +952,7 @@ static const mfsdp_transport_ops_t mpi_ops = {
     .allreduce_u64 = mpi_allreduce_u64,
     .allgather_bytes = mpi_allgather_bytes,
     .set_stream = mpi_set_stream,
+    .quiesce = mpi_quiesce,
     .destroy = mpi_destroy,
 };
 

@@ -26,8 +26,9 @@ void mfsdp_transport_mpi_arena_free(void *t, void *ptr);
  * every rank alike; off is not an error. *peer_p: world entries, a node peer's arena or NULL
  * (every entry NULL, or *peer_p NULL, when off); valid until the transport is destroyed. While
  * on, a gather run whose mfsdp_xfer_t.peer_src is set copies the direct algorithm's runs from
- * there instead of receiving them, sends nothing to node peers, and is bracketed by barriers
- * of the node.
+ * there instead of receiving them and sends nothing to node peers: it waits for the owners it
+ * copies from to reach the same gather, and an owner's quiesce waits for its node peers to
+ * finish the gathers it finished (counters in a page after each arena; no barrier).
  */
 mfsdp_status_t mfsdp_transport_mpi_share(mfsdp_transport_t *t, int want,
                                          const char *const **peer_p);

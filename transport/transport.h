@@ -69,7 +69,8 @@ typedef struct mfsdp_xfer {
     mfsdp_status_t (*overlap)(void *arg);
     void *overlap_arg;
     /* gather, direct, MPI transport with shared arenas (mfsdp_transport_mpi_share), on every
-     * rank alike or on none: gs->nsegs entries, the owner's comm copy of each segment mapped in
+     * rank alike or on none (the owners' writes to their comm copies are then preceded by
+     * quiesce): gs->nsegs entries, the owner's comm copy of each segment mapped in
      * this process, NULL where the owner is not a node peer (or is this rank). NULL: none. */
     const char *const *peer_src;
 } mfsdp_xfer_t;
@@ -107,6 +108,11 @@ typedef struct mfsdp_transport_ops {
      * every operation of later calls is enqueued on it, in call order, and "completed" in
      * run/p2p means completed in stream order (the host does not wait). MPI: ignored. */
     mfsdp_status_t (*set_stream)(mfsdp_transport_t *t, void *stream);
+    /* Optional (NULL: nothing to wait for). The caller is about to write the comm copies of
+     * its owned tensors (its optimizer step, new weights, a load): returns once no rank still
+     * reads them from a gather that this rank has completed (MPI: node peers copying from a
+     * shared arena). Not collective. */
+    mfsdp_status_t (*quiesce)(mfsdp_transport_t *t);
     void (*destroy)(mfsdp_transport_t *t);
 } mfsdp_transport_ops_t;
 
