@@ -65,8 +65,11 @@ mfsdp_status_t mfsdp_ctx_create_mpi(const mfsdp_manifest_t *manifest, const mfsd
     if (st == MFSDP_OK) {
         st = mfsdp_transport_mpi_share(ctx->tp, cfg->shm, &peer);
     }
-    if (st == MFSDP_OK && peer != NULL) {
-        st = mfsdp_ctx_agree_setup(ctx, mfsdp_ctx_share_arenas(ctx, peer));
+    if (st == MFSDP_OK) {
+        /* Every rank agrees, those whose node shares nothing too (a node of one rank of a
+         * multi-node job: peer NULL there, set elsewhere). */
+        st =
+            mfsdp_ctx_agree_setup(ctx, peer != NULL ? mfsdp_ctx_share_arenas(ctx, peer) : MFSDP_OK);
     }
     if (st != MFSDP_OK) {
         mfsdp_ctx_free(ctx);

@@ -848,12 +848,21 @@ mfsdp_status_t mfsdp_transport_mpi_share(mfsdp_transport_t *tb, int want,
     m->peer_ctrl = calloc((size_t)world, sizeof(*m->peer_ctrl));
     int ok = cards != NULL && m->node_peer != NULL && m->peer != NULL && m->peer_bytes != NULL &&
              m->peer_ctrl != NULL;
-    int rc = MPI_Allgather(&card, (int)sizeof(card), MPI_BYTE, cards, ok ? (int)sizeof(card) : 0,
-                           MPI_BYTE, m->node);
-    if (!ok || rc != MPI_SUCCESS) {
-        /* a collective with another count on one rank is an error: allocate before */
-        MFSDP_WARN("sharing owner arenas: %s", ok ? "MPI_Allgather failed" : "out of memory");
-        ok = 0;
+    if (!ok) {
+        MFSDP_WARN("sharing owner arenas: out of memory; all-gathers use messages");
+    }
+    /* The node's ranks exchange their cards only if every one of them can take them (a
+     * collective with another count on one rank would be an MPI error). */
+    int node_ok = 0;
+    int rc = MPI_Allreduce(&ok, &node_ok, 1, MPI_INT, MPI_MIN, m->node);
+    ok = rc == MPI_SUCCESS && node_ok;
+    if (ok) {
+        rc = MPI_Allgather(&card, (int)sizeof(card), MPI_BYTE, cards, (int)sizeof(card), MPI_BYTE,
+                           m->node);
+        if (rc != MPI_SUCCESS) {
+            MFSDP_WARN("sharing owner arenas: MPI_Allgather failed (mpi error %d)", rc);
+            ok = 0;
+        }
     }
     for (int k = 0; ok && k < nn; k++) {
         const shm_card_t *c = &cards[k];
@@ -869,9 +878,11 @@ mfsdp_status_t mfsdp_transport_mpi_share(mfsdp_transport_t *tb, int want,
         size_t off = 0;
         if (!c->shared || ctrl_offset((size_t)c->bytes, &off) != MFSDP_OK ||
             off + sizeof(shm_ctrl_t) > (size_t)c->mapped) {
-            /* Every rank of the node must count its gathers in a control block: a rank
-             * without an arena (it owns nothing) has none to count in. */
-            MFSDP_WARN("rank %d has no shared owner arena; all-gathers use messages", r);
+            /* Every rank agreed above that its object is shared: a card that says otherwise
+             * or is too small for its control block is not one this code wrote. */
+            MFSDP_WARN("rank %d's shared owner arena is not usable (shared %d, %zu bytes); "
+                       "all-gathers use messages",
+                       r, (int)c->shared, (size_t)c->mapped);
             ok = 0;
             break;
         }
