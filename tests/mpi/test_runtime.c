@@ -1931,6 +1931,79 @@ static void test_hsdp_big_tail(void)
     PMPI_Comm_free(&rc);
 }
 
+/* An owner that rewrites its weights while a node peer still copies them from its shared
+ * arena. One group of one matrix (so its owner reads nothing in the gather and does not wait
+ * there); manual steps, no clipping (the step runs no collective). After a gather and a reduce,
+ * one reader sleeps before the next gather while the owner gathers and steps at once: the
+ * owner's step must wait for the reader's copy (transport quiesce), so the reader's second
+ * gather still holds the first one's weights, and the third the stepped ones. */
+#ifndef TEST_TRANSPORT_NCCL
+static void test_shm_writer_waits(void)
+{
+    if (!g_shm_expect) {
+        return;
+    }
+    char js[512];
+    snprintf(js, sizeof(js),
+             "{\"format\": \"mfsdp-manifest/1\", \"groups\": [{\"name\": \"g\", \"params\": "
+             "[{\"name\": \"w\", \"shape\": [%d, 32], \"dtype\": \"float32\"}]}]}",
+             16 * g_world);
+    mfsdp_manifest_t *m = NULL;
+    char err[256];
+    CHECK_OK(mfsdp_manifest_parse(js, strlen(js), "writer waits", err, sizeof(err), &m));
+    mfsdp_ctx_opts_t o;
+    memset(&o, 0, sizeof(o));
+    o.has_plan_opts = 1;
+    o.plan_opts.tail = MFSDP_TAIL_OWNER;
+    o.has_step_mode = 1;
+    o.step_mode = MFSDP_STEP_MANUAL;
+    o.gather_algo = MFSDP_ALGO_DIRECT;
+    o.reduce_algo = MFSDP_ALGO_DIRECT;
+    mfsdp_ctx_h ctx = NULL;
+    CHECK_OK(mfsdp_ctx_create_mpi(m, &o, MPI_COMM_WORLD, &ctx));
+    if (ctx == NULL) {
+        mfsdp_manifest_free(m);
+        return;
+    }
+    const size_t S = 16 * 32, T = S * (size_t)g_world;
+    float *send = malloc(S * sizeof(float)), *in = malloc(T * sizeof(float));
+    float *out = malloc(S * sizeof(float)), *recv[3];
+    for (int k = 0; k < 3; k++) {
+        recv[k] = malloc(T * sizeof(float));
+    }
+    for (size_t e = 0; e < S; e++) {
+        send[e] = 0.001f * (float)((size_t)g_rank * S + e + 1);
+    }
+    for (size_t e = 0; e < T; e++) {
+        in[e] = 0.5f - 0.001f * (float)(e % 997);
+    }
+    mfsdp_param_view_t v;
+    CHECK_OK(mfsdp_ctx_get_param(ctx, "w", &v));
+    const int reader = (v.owner + 1) % g_world;
+    CHECK_OK(mfsdp_ctx_allgather(ctx, 0, send, recv[0], S, MFSDP_FLOAT32));
+    CHECK_OK(mfsdp_ctx_reduce(ctx, 0, in, out, S, MFSDP_FLOAT32, MFSDP_OP_SUM, 1.0));
+    if (g_rank == reader) {
+        usleep(300000);
+    }
+    CHECK_OK(mfsdp_ctx_allgather(ctx, 0, send, recv[1], S, MFSDP_FLOAT32));
+    CHECK_OK(mfsdp_ctx_step(ctx));
+    CHECK_OK(mfsdp_ctx_allgather(ctx, 0, send, recv[2], S, MFSDP_FLOAT32));
+    CHECK(memcmp(recv[0], recv[1], T * sizeof(float)) == 0,
+          "writer waits: rank %d (owner %d) gathered weights the owner's later step wrote", g_rank,
+          v.owner);
+    CHECK(memcmp(recv[1], recv[2], T * sizeof(float)) != 0,
+          "writer waits: the step did not change the weights (the check above proves nothing)");
+    mfsdp_ctx_destroy(&ctx);
+    mfsdp_manifest_free(m);
+    free(send);
+    free(in);
+    free(out);
+    for (int k = 0; k < 3; k++) {
+        free(recv[k]);
+    }
+}
+#endif
+
 /* A group that gets no gradient in a window. Two groups a and b of one [4] fp32 AdamW param
  * each (tail owner). Eager, accumulating 2: b's second micro-step reduces with no param
  * flagged; it still counts, so b steps at the window's end with a (2 group steps, not 1).
@@ -2275,6 +2348,9 @@ int main(int argc, char **argv)
     test_hsdp(4002, MFSDP_TAIL_JOB, 1);
     test_hsdp_big_tail();
     test_skipped_group();
+#ifndef TEST_TRANSPORT_NCCL
+    test_shm_writer_waits();
+#endif
 
 #ifdef TEST_TRANSPORT_NCCL
 done:
