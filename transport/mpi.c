@@ -345,6 +345,14 @@ static mfsdp_status_t shm_gather_op(engine_t *e, long i, int *done_p)
         MFSDP_WARN("segment %u: op %ld crosses a rank block of the all-gather output", op->seg, i);
         return MFSDP_ERR_INTERNAL;
     }
+    /* The source was computed from the owner's arena layout: it must lie in its mapping. */
+    const mpi_shm_t *m = &e->t->shm;
+    int o = x->gs->segs[op->seg].owner;
+    const char *lo = m->peer[o], *hi = lo != NULL ? lo + m->peer_bytes[o] : NULL;
+    if (lo == NULL || src + op->boff < lo || op->len > (size_t)(hi - (src + op->boff))) {
+        MFSDP_WARN("segment %u: op %ld would read outside rank %d's shared arena", op->seg, i, o);
+        return MFSDP_ERR_INTERNAL;
+    }
     MFSDP_CHECK(x->exec->ops->copy(x->exec, dst, src + op->boff, op->len));
     *done_p = 1;
     return MFSDP_OK;
