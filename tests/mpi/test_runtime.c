@@ -1855,6 +1855,20 @@ static void test_hsdp(uint64_t seed, mfsdp_tail_policy_t tail, int drop)
  * the replicate all-reduce goes through the region in windows. Every global rank r contributes
  * r + 1 to every tail element, so each element of the job's output and of the owners' slice
  * gradient must be exactly the sum over ranks (small integers, exact in fp32). */
+/* Options of a context with manual steps and direct collectives under the given tail. */
+static mfsdp_ctx_opts_t manual_direct_opts(mfsdp_tail_policy_t tail)
+{
+    mfsdp_ctx_opts_t o;
+    memset(&o, 0, sizeof(o));
+    o.has_plan_opts = 1;
+    o.plan_opts.tail = tail;
+    o.has_step_mode = 1;
+    o.step_mode = MFSDP_STEP_MANUAL;
+    o.gather_algo = MFSDP_ALGO_DIRECT;
+    o.reduce_algo = MFSDP_ALGO_DIRECT;
+    return o;
+}
+
 static void test_hsdp_big_tail(void)
 {
     if (g_world % 2 != 0) {
@@ -1878,15 +1892,8 @@ static void test_hsdp_big_tail(void)
     mfsdp_manifest_t *m = NULL;
     char err[256];
     CHECK_OK(mfsdp_manifest_parse(js, strlen(js), "big tail", err, sizeof(err), &m));
-    mfsdp_ctx_opts_t o;
-    memset(&o, 0, sizeof(o));
-    o.has_plan_opts = 1;
-    o.plan_opts.tail = MFSDP_TAIL_SHARD;
+    mfsdp_ctx_opts_t o = manual_direct_opts(MFSDP_TAIL_SHARD);
     o.staging_bytes = 65536;
-    o.has_step_mode = 1;
-    o.step_mode = MFSDP_STEP_MANUAL;
-    o.gather_algo = MFSDP_ALGO_DIRECT;
-    o.reduce_algo = MFSDP_ALGO_DIRECT;
     mfsdp_ctx_h ctx = NULL;
     CHECK_OK(mfsdp_ctx_create_mpi(m, &o, sc, &ctx));
     CHECK_OK(mfsdp_ctx_attach_replicate_mpi(ctx, rc));
@@ -1951,14 +1958,7 @@ static void test_shm_writer_waits(void)
     mfsdp_manifest_t *m = NULL;
     char err[256];
     CHECK_OK(mfsdp_manifest_parse(js, strlen(js), "writer waits", err, sizeof(err), &m));
-    mfsdp_ctx_opts_t o;
-    memset(&o, 0, sizeof(o));
-    o.has_plan_opts = 1;
-    o.plan_opts.tail = MFSDP_TAIL_OWNER;
-    o.has_step_mode = 1;
-    o.step_mode = MFSDP_STEP_MANUAL;
-    o.gather_algo = MFSDP_ALGO_DIRECT;
-    o.reduce_algo = MFSDP_ALGO_DIRECT;
+    mfsdp_ctx_opts_t o = manual_direct_opts(MFSDP_TAIL_OWNER);
     mfsdp_ctx_h ctx = NULL;
     CHECK_OK(mfsdp_ctx_create_mpi(m, &o, MPI_COMM_WORLD, &ctx));
     if (ctx == NULL) {
