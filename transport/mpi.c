@@ -43,13 +43,11 @@ typedef struct shm_ctrl {
 /* The owner arena in POSIX shared memory (mfsdp_transport_mpi_share): this rank's mapping and
  * its name until the node's ranks have mapped it, and theirs. */
 typedef struct mpi_shm {
-    void *map;        /* this rank's mapping: its arena (if any), then the control block */
-    void *base;       /* this rank's arena (mfsdp_transport_mpi_arena_alloc), NULL: none */
-    size_t bytes;     /* of the arena */
-    size_t mapped;    /* of the mapping: the arena, then the control block's page */
-    shm_ctrl_t *ctrl; /* this rank's, in its mapping */
+    void *map;        /* this rank's mapping: its arena (bytes > 0), then the control block */
+    size_t bytes;     /* of the arena (0: none) */
+    size_t mapped;    /* of the mapping */
+    shm_ctrl_t *ctrl; /* this rank's, in its mapping; NULL: not shared (none, or anonymous) */
     uint64_t seq;     /* gathers from shared arenas this rank entered */
-    int shared;       /* 1: base is a shared mapping of object `name`; 0: anonymous (fallback) */
     int linked;       /* 1: `name` still exists (unlinked once the node's ranks mapped it) */
     char name[64];    /* "/mfsdp.<pid>.<n>" */
     MPI_Comm node;    /* the ranks sharing memory with this one, while sharing is on */
@@ -679,10 +677,10 @@ static mfsdp_status_t ctrl_offset(size_t bytes, size_t *off_p)
 static int shm_create(mpi_shm_t *m, size_t bytes, size_t *mapped_p, void **p_p, const char **what)
 {
     static unsigned seq; /* names of this process's objects */
-    size_t mapped;
+    size_t off, mapped;
     *what = "size";
-    if (ctrl_offset(bytes, &mapped) != MFSDP_OK ||
-        mfsdp_add_overflow(mapped, (size_t)sysconf(_SC_PAGESIZE), &mapped)) {
+    if (ctrl_offset(bytes, &off) != MFSDP_OK ||
+        mfsdp_add_overflow(off, (size_t)sysconf(_SC_PAGESIZE), &mapped)) {
         return EOVERFLOW;
     }
     snprintf(m->name, sizeof(m->name), "/mfsdp.%ld.%u", (long)getpid(),
@@ -712,9 +710,6 @@ static int shm_create(mpi_shm_t *m, size_t bytes, size_t *mapped_p, void **p_p, 
         return err;
     }
     m->linked = 1;
-    m->shared = 1;
-    size_t off;
-    (void)ctrl_offset(bytes, &off);
     m->ctrl = (shm_ctrl_t *)((char *)p + off); /* zeroed: nothing arrived, nothing done */
     *mapped_p = mapped;
     *p_p = p;
@@ -743,7 +738,6 @@ mfsdp_status_t mfsdp_transport_mpi_arena_alloc(void *arg, size_t bytes, void **p
         }
     }
     m->map = p;
-    m->base = p;
     m->bytes = bytes;
     m->mapped = mapped;
     *ptr_p = p;
@@ -761,9 +755,7 @@ static void shm_unmap_own(mpi_shm_t *m)
         m->linked = 0;
     }
     m->map = NULL;
-    m->base = NULL;
     m->ctrl = NULL;
-    m->shared = 0;
     m->bytes = 0;
     m->mapped = 0;
 }
@@ -771,7 +763,7 @@ static void shm_unmap_own(mpi_shm_t *m)
 void mfsdp_transport_mpi_arena_free(void *arg, void *ptr)
 {
     mpi_transport_t *t = arg;
-    if (t != NULL && ptr != NULL && ptr == t->shm.base) {
+    if (t != NULL && ptr != NULL && ptr == t->shm.map && t->shm.bytes != 0) {
         shm_unmap_own(&t->shm);
     }
 }
@@ -833,7 +825,7 @@ mfsdp_status_t mfsdp_transport_mpi_share(mfsdp_transport_t *tb, int want,
                        what, m->name, strerror(err));
         }
     }
-    int mine = want && m->shared && world > 1, all = 0;
+    int mine = want && m->ctrl != NULL && world > 1, all = 0;
     MFSDP_MPI_CHECK(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, t->comm));
     if (!all) {
         if (m->linked) {
@@ -847,7 +839,7 @@ mfsdp_status_t mfsdp_transport_mpi_share(mfsdp_transport_t *tb, int want,
     int nn = 0;
     MFSDP_MPI_CHECK(MPI_Comm_size(m->node, &nn));
     shm_card_t card = {
-        .rank = t->base.rank, .shared = m->shared, .bytes = m->bytes, .mapped = m->mapped};
+        .rank = t->base.rank, .shared = m->ctrl != NULL, .bytes = m->bytes, .mapped = m->mapped};
     memcpy(card.name, m->name, sizeof(card.name));
     shm_card_t *cards = calloc((size_t)nn, sizeof(*cards));
     m->node_peer = calloc((size_t)world, 1);
