@@ -496,18 +496,25 @@ static mfsdp_status_t create_world(const mfsdp_manifest_t *m, const mfsdp_ctx_op
 #endif
 }
 
-static mfsdp_ctx_h make_ctx(const mfsdp_manifest_t *m, mfsdp_tail_policy_t tail, mfsdp_algo_t ga,
-                            mfsdp_algo_t ra, mfsdp_step_mode_t mode, int accum, double clip)
+/* Options with the given tail policy and step mode, everything else left to the defaults. */
+static mfsdp_ctx_opts_t tail_step_opts(mfsdp_tail_policy_t tail, mfsdp_step_mode_t mode)
 {
     mfsdp_ctx_opts_t o;
     memset(&o, 0, sizeof(o));
     o.has_plan_opts = 1;
     o.plan_opts.tail = tail;
+    o.has_step_mode = 1;
+    o.step_mode = mode;
+    return o;
+}
+
+static mfsdp_ctx_h make_ctx(const mfsdp_manifest_t *m, mfsdp_tail_policy_t tail, mfsdp_algo_t ga,
+                            mfsdp_algo_t ra, mfsdp_step_mode_t mode, int accum, double clip)
+{
+    mfsdp_ctx_opts_t o = tail_step_opts(tail, mode);
     o.gather_algo = ga;
     o.reduce_algo = ra;
     o.chain_chunk = 64; /* many chunks per segment: exercises the pipeline */
-    o.has_step_mode = 1;
-    o.step_mode = mode;
     o.accum_steps = accum;
     o.has_clip = 1;
     o.clip = clip;
@@ -1656,15 +1663,10 @@ static void test_hsdp(uint64_t seed, mfsdp_tail_policy_t tail, int drop)
              : tail == MFSDP_TAIL_SHARD ? "shard"
                                         : "owner",
              drop ? " drop" : "");
-    mfsdp_ctx_opts_t o;
-    memset(&o, 0, sizeof(o));
-    o.has_plan_opts = 1;
-    o.plan_opts.tail = tail;
+    mfsdp_ctx_opts_t o = tail_step_opts(tail, MFSDP_STEP_EAGER);
     o.gather_algo = MFSDP_ALGO_DIRECT;
     o.reduce_algo = MFSDP_ALGO_CHAIN;
     o.chain_chunk = 64;
-    o.has_step_mode = 1;
-    o.step_mode = MFSDP_STEP_EAGER;
     o.accum_steps = 1;
     o.has_clip = 1;
     mfsdp_ctx_h ctx = NULL;
@@ -1858,12 +1860,7 @@ static void test_hsdp(uint64_t seed, mfsdp_tail_policy_t tail, int drop)
 /* Options of a context with manual steps and direct collectives under the given tail. */
 static mfsdp_ctx_opts_t manual_direct_opts(mfsdp_tail_policy_t tail)
 {
-    mfsdp_ctx_opts_t o;
-    memset(&o, 0, sizeof(o));
-    o.has_plan_opts = 1;
-    o.plan_opts.tail = tail;
-    o.has_step_mode = 1;
-    o.step_mode = MFSDP_STEP_MANUAL;
+    mfsdp_ctx_opts_t o = tail_step_opts(tail, MFSDP_STEP_MANUAL);
     o.gather_algo = MFSDP_ALGO_DIRECT;
     o.reduce_algo = MFSDP_ALGO_DIRECT;
     return o;
@@ -2022,12 +2019,7 @@ static mfsdp_ctx_h skip_ctx(mfsdp_manifest_t **m_p, mfsdp_step_mode_t mode, int 
                      "\"dtype\": \"float32\"}]}]}";
     char err[256];
     CHECK_OK(mfsdp_manifest_parse(js, strlen(js), "skip", err, sizeof(err), m_p));
-    mfsdp_ctx_opts_t o;
-    memset(&o, 0, sizeof(o));
-    o.has_plan_opts = 1;
-    o.plan_opts.tail = MFSDP_TAIL_OWNER;
-    o.has_step_mode = 1;
-    o.step_mode = mode;
+    mfsdp_ctx_opts_t o = tail_step_opts(MFSDP_TAIL_OWNER, mode);
     o.accum_steps = accum;
     mfsdp_ctx_h ctx = NULL;
     CHECK_OK(create_world(*m_p, &o, &ctx));
